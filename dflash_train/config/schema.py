@@ -1,0 +1,152 @@
+"""Dataclass schema of every key the recipe accepts.
+
+The composed Hydra config is checked against these classes before any model is built
+(see :mod:`dflash_train.config.validate`). Fields typed ``dict``/``Any`` are passed
+through to another library (NeMo's SALM config, a Hydra ``_target_`` object) and are
+checked there. DFlash2 extends DFlash: the variant registry :data:`VARIANTS` maps
+``dflash.variant`` to its schema class.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+LABEL_SOURCES = ("target_argmax", "ground_truth")
+ATTENTION_BACKENDS = ("flex_attention", "sdpa")
+# Recipe precision names -> the Lightning precision plugin that implements them.
+# bf16-flash: BF16 autocast with FP32 master weights for the draft (flash/flex attention on GPU).
+LIGHTNING_PRECISION = {
+    "bf16-flash": "bf16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bf16-true": "bf16-true",
+    "32-true": "32-true",
+}
+PRECISION_ALIASES = {"bf16-automodel": "bf16-flash"}
+STRATEGIES = ("auto", "ddp", "fsdp2")
+
+
+@dataclass
+class ModelConfig:
+    """The frozen SALM target: where it comes from and how strictly its weights must load."""
+
+    pretrained_name: Optional[str] = MISSING
+    salm: Optional[dict] = None
+    init_from_checkpoint: Optional[str] = None
+    init_from_checkpoint_strict: bool = True
+    audio_locator_tag: str = "<|audio|>"
+    encoder_chunk_size_seconds: Optional[float] = None
+
+
+@dataclass
+class DatasetConfig:
+    """One training or validation data source and how it is batched."""
+
+    input_cfg: Any = MISSING
+    batch_size: Optional[int] = None
+    batch_tokens: Optional[int] = None
+    max_tokens: Optional[int] = None
+    min_duration: Optional[float] = None
+    max_duration: Optional[float] = None
+    packing: bool = False
+    shuffle: bool = True
+    num_workers: int = 0
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    """Speech conversation data: prompt format and train/validation sources."""
+
+    prompt_format: str = "qwen"
+    system_prompt: Optional[str] = None
+    train_ds: DatasetConfig = field(default_factory=DatasetConfig)
+    validation_ds: Optional[DatasetConfig] = None
+
+
+@dataclass
+class ParallelismConfig:
+    """Process topology. Only data parallelism (DDP / FSDP2) and expert parallelism are supported."""
+
+    name: str = "fsdp2"
+    tp_size: int = 1
+    pp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    dp_size: Optional[int] = None
+
+
+@dataclass
+class TrainerConfig:
+    """Keys the framework interprets; every other ``trainer.*`` key must be a ``lightning.Trainer`` argument."""
+
+    precision: str = "bf16-flash"
+    strategy: ParallelismConfig = field(default_factory=ParallelismConfig)
+
+
+@dataclass
+class ExpManagerConfig:
+    """Where a run writes logs and checkpoints, and whether it resumes from them."""
+
+    exp_dir: str = "outputs"
+    name: str = "dflash"
+    version: Optional[str] = None
+    resume_if_exists: bool = True
+    resume_ignore_no_checkpoint: bool = True
+    checkpoint_monitor: str = "val_acc"
+    checkpoint_mode: str = "max"
+    save_top_k: int = 1
+    save_last: bool = True
+    create_tensorboard_logger: bool = True
+    create_csv_logger: bool = True
+
+
+@dataclass
+class DFlashConfig:
+    """The DFlash draft and its training objective (DESIGN.md §3C)."""
+
+    variant: str = "dflash"
+    block_size: int = 8
+    loss_decay_gamma: float = 4.0
+    num_anchors: int = 512
+    label_source: str = "target_argmax"
+    projection_only: bool = False
+    draft_num_hidden_layers: int = 6
+    target_layer_ids: Optional[list[int]] = None
+    mask_token_id: Optional[int] = None
+    init_from_pretrained: Optional[str] = None
+    lr: float = 6.0e-4
+    weight_decay: float = 0.0
+    optimizer: Optional[dict] = None
+    lr_scheduler: Optional[dict] = None
+    use_fused_linear_ce: bool = False
+    attention_backend: Optional[str] = None
+    draft_model_config: dict = field(default_factory=dict)
+
+
+@dataclass
+class DFlash2Config(DFlashConfig):
+    """DFlash2: DFlash plus a causal convolution and a low-rank candidate selector."""
+
+    variant: str = "dflash2"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    selector_loss_weight: float = 1.0
+
+
+VARIANTS: dict[str, type[DFlashConfig]] = {"dflash": DFlashConfig, "dflash2": DFlash2Config}
+
+
+@dataclass
+class RunConfig:
+    """The whole recipe after composition; ``dflash`` is typed by its ``variant``."""
+
+    name: str = "dflash"
+    seed: int = 42
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
+    dflash: DFlashConfig = field(default_factory=DFlash2Config)

@@ -1,0 +1,273 @@
+"""NeMo ``SALM`` as a frozen target: loading, freezing, audio splicing and taps."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from dflash_train.config.schema import ModelConfig
+from dflash_train.config.validate import TargetDims
+from dflash_train.errors import ConfigError
+from dflash_train.target.base import TapOutput
+from dflash_train.target.splice import SplicedBatch, splice_audio_frames
+from dflash_train.target.taps import record_taps, run_until_taps_done
+
+log = logging.getLogger(__name__)
+
+LLM_BACKBONE_DIR = "llm_backbone"
+
+
+class TargetLoadError(RuntimeError):
+    """The target checkpoint does not match the model it is loaded into."""
+
+
+class SALMTarget(nn.Module):
+    """A NeMo SALM held frozen: eval mode always, no parameter requires grad.
+
+    Exposes only what draft training needs: the embedding table and LM head (read-only),
+    depth / hidden size / vocabulary, audio splicing into LLM inputs, and a forward that
+    returns tapped decoder-block outputs.
+    """
+
+    def __init__(self, salm: nn.Module):
+        super().__init__()
+        self.salm = salm
+        for param in self.salm.parameters():
+            param.requires_grad_(False)
+        self.train(False)
+
+    def train(self, mode: bool = True) -> "SALMTarget":
+        """Stay in eval mode whatever the caller asks (Lightning calls ``train()`` on every fit)."""
+        return super().train(False)
+
+    @property
+    def llm_config(self):
+        return self.salm.llm.config.get_text_config()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.decoder_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.llm_config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.salm.embed_tokens.num_embeddings)
+
+    @property
+    def tokenizer(self):
+        return self.salm.tokenizer
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.salm.embed_tokens
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.salm.llm.get_output_embeddings()
+
+    @property
+    def decoder(self) -> nn.Module:
+        llm = self.salm.llm
+        base = llm.get_base_model() if hasattr(llm, "get_base_model") else llm
+        return base.get_decoder()
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.decoder.layers
+
+    @property
+    def audio_locator_tag_id(self) -> int:
+        return int(self.salm.audio_locator_tag_id)
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.salm.text_pad_id)
+
+    @property
+    def sampling_rate(self) -> int:
+        return int(self.salm.sampling_rate)
+
+    def default_mask_token_id(self) -> int:
+        """The first embedding row past the tokenizer (as DFlash drafts for Qwen3 use); error if none is free."""
+        tokenizer_len = len(self.tokenizer.tokenizer)
+        if tokenizer_len >= self.vocab_size:
+            raise ConfigError(
+                f"the target's embedding table ({self.vocab_size} rows) has no row past its tokenizer "
+                f"({tokenizer_len} tokens); set dflash.mask_token_id to an unused token id"
+            )
+        return tokenizer_len
+
+    @torch.no_grad()
+    def encode_audio(self, audios: torch.Tensor, audio_lens: torch.Tensor) -> list[torch.Tensor]:
+        """Perception output per audio, unpadded: a list of ``[frames_i, H]``."""
+        from nemo.collections.speechlm2.parts.encoder_chunking import encode_audio_with_optional_chunking
+
+        return encode_audio_with_optional_chunking(
+            self.salm.perception,
+            audios,
+            audio_lens,
+            chunk_size_seconds=self.salm.cfg.get("encoder_chunk_size_seconds", None),
+            sampling_rate=self.sampling_rate,
+        )
+
+    @torch.no_grad()
+    def splice_batch(
+        self,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        loss_mask: torch.Tensor,
+        audios: torch.Tensor,
+        audio_lens: torch.Tensor,
+        audios_per_row: Sequence[int],
+        mask_token_id: int,
+        sample_ids: Sequence[str] | None = None,
+    ) -> SplicedBatch:
+        """Embed text, run perception on the audio and splice its frames at the placeholders."""
+        audio_embeds = self.encode_audio(audios, audio_lens) if len(audios_per_row) and sum(audios_per_row) else []
+        safe_ids = torch.where(input_ids == self.audio_locator_tag_id, self.pad_id, input_ids)
+        return splice_audio_frames(
+            input_ids=input_ids,
+            lengths=lengths,
+            loss_mask=loss_mask,
+            text_embeds=self.embed_tokens(safe_ids),
+            audio_embeds=audio_embeds,
+            audios_per_row=audios_per_row,
+            placeholder_id=self.audio_locator_tag_id,
+            mask_token_id=mask_token_id,
+            pad_id=self.pad_id,
+            sample_ids=sample_ids,
+        )
+
+    @torch.no_grad()
+    def forward_taps(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        layer_ids: Sequence[int],
+        return_last_hidden: bool = False,
+        position_ids: torch.Tensor | None = None,
+    ) -> TapOutput:
+        """Run the LLM decoder and return the outputs of blocks ``layer_ids`` (pre-final-norm).
+
+        Without ``return_last_hidden`` the forward stops after the deepest tapped block.
+        """
+        with record_taps(self.decoder_layers, layer_ids, stop_after_last=not return_last_hidden) as taps:
+            out = run_until_taps_done(
+                self.decoder,
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                return_dict=True,
+            )
+            features = taps.features()
+        return TapOutput(features, out.last_hidden_state if return_last_hidden else None)
+
+
+def _llm_config_for(model: ModelConfig):
+    """The target LLM's HF config, read from files only (no weights are built)."""
+    from transformers import AutoConfig
+    from transformers.utils import cached_file
+
+    if model.salm is not None:
+        return AutoConfig.from_pretrained(model.salm["pretrained_llm"])
+    name = model.pretrained_name
+    salm_cfg_file = cached_file(name, "config.json", _raise_exceptions_for_missing_entries=False)
+    if salm_cfg_file is None:
+        raise ConfigError(f"model.pretrained_name='{name}' has no config.json; point it at a SALM checkpoint")
+    backbone = cached_file(name, f"{LLM_BACKBONE_DIR}/config.json", _raise_exceptions_for_missing_entries=False)
+    if backbone is not None:
+        return AutoConfig.from_pretrained(str(Path(backbone).parent))
+    return AutoConfig.from_pretrained(json.loads(Path(salm_cfg_file).read_text())["pretrained_llm"])
+
+
+def read_target_dims(model: ModelConfig) -> TargetDims:
+    """Depth, hidden size and vocabulary of the target LLM, without loading weights."""
+    if model.pretrained_name is not None and not Path(model.pretrained_name).exists() and "/" not in str(
+        model.pretrained_name
+    ):
+        raise ConfigError(
+            f"model.pretrained_name='{model.pretrained_name}' is neither an existing directory nor a hub id"
+        )
+    text = _llm_config_for(model).get_text_config()
+    return TargetDims(int(text.num_hidden_layers), int(text.hidden_size), int(text.vocab_size))
+
+
+def load_salm(model: ModelConfig) -> nn.Module:
+    """Load (``pretrained_name``) or build (``salm``) the SALM, then apply ``init_from_checkpoint``."""
+    from nemo.collections.speechlm2.models import SALM
+
+    if model.salm is not None:
+        salm = SALM(dict(model.salm))
+        log.info("target: built SALM from model.salm (pretrained_weights=%s)", model.salm.get("pretrained_weights"))
+    else:
+        try:
+            salm = SALM.from_pretrained(model.pretrained_name, strict=model.init_from_checkpoint_strict)
+        except RuntimeError as err:
+            if "state_dict" not in str(err):
+                raise
+            raise TargetLoadError(
+                f"SALM checkpoint '{model.pretrained_name}' does not match its config: {err}; "
+                "fix the checkpoint or set model.init_from_checkpoint_strict=false"
+            ) from None
+        log.info("target: loaded SALM checkpoint %s", model.pretrained_name)
+    if salm.audio_locator_tag != model.audio_locator_tag:
+        raise ConfigError(
+            f"model.audio_locator_tag='{model.audio_locator_tag}' but the target uses '{salm.audio_locator_tag}'; "
+            "make them equal"
+        )
+    if model.init_from_checkpoint is not None:
+        load_weights_strictly(salm, model.init_from_checkpoint, strict=model.init_from_checkpoint_strict)
+    return salm
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if path.is_dir():
+        path = path / "model.safetensors"
+    if not path.exists():
+        raise ConfigError(f"model.init_from_checkpoint='{path}' does not exist")
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    checkpoint = torch.load(str(path), map_location="cpu", weights_only=False)
+    return checkpoint.get("state_dict", checkpoint)
+
+
+def load_weights_strictly(module: nn.Module, path: str | Path, strict: bool = True) -> None:
+    """Load ``path`` into ``module``; with ``strict`` any missing, unexpected or mis-shaped key is an error."""
+    state = _read_state_dict(Path(path))
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    mis_shaped = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if mis_shaped:
+        raise TargetLoadError(
+            f"init_from_checkpoint '{path}': shape mismatch for {_preview(mis_shaped)} "
+            f"(e.g. {mis_shaped[0]}: checkpoint {tuple(state[mis_shaped[0]].shape)} vs model "
+            f"{tuple(own[mis_shaped[0]].shape)})"
+        )
+    if strict and (missing or unexpected):
+        raise TargetLoadError(
+            f"init_from_checkpoint '{path}' does not match the target: missing {_preview(missing)}, "
+            f"unexpected {_preview(unexpected)}; set model.init_from_checkpoint_strict=false to load anyway"
+        )
+    module.load_state_dict(state, strict=False)
+    log.info(
+        "target: loaded %s (%d tensors; %d missing, %d unexpected)", path, len(state), len(missing), len(unexpected)
+    )
+
+
+def _preview(keys: list[str], limit: int = 8) -> str:
+    if not keys:
+        return "none"
+    shown = ", ".join(keys[:limit])
+    return f"{len(keys)} key(s) [{shown}{', ...' if len(keys) > limit else ''}]"

@@ -1,0 +1,94 @@
+"""Splice perception frames into the text sequence (DESIGN.md §3B).
+
+Every audio placeholder token expands into that audio's frames. At frame positions the
+id becomes ``mask_token_id`` and the loss mask is false. Rows come back right-padded, so
+any position before a row's length is real content: a draft context (positions < anchor)
+can never contain padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class SplicedBatch:
+    """Inputs of the target's LLM after audio splicing, aligned position by position."""
+
+    inputs_embeds: torch.Tensor  # [B, S, H]
+    input_ids: torch.Tensor  # [B, S]; mask_token_id at audio frames, pad_id after `lengths`
+    loss_mask: torch.Tensor  # [B, S] bool; supervised text positions only
+    attention_mask: torch.Tensor  # [B, S] bool; True for the first `lengths[i]` positions
+    audio_mask: torch.Tensor  # [B, S] bool; True at audio frames
+    lengths: torch.Tensor  # [B]
+
+
+class PlaceholderMismatchError(ValueError):
+    """The number of audio placeholders in the text does not match the number of audios."""
+
+
+def splice_audio_frames(
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    loss_mask: torch.Tensor,
+    text_embeds: torch.Tensor,
+    audio_embeds: Sequence[torch.Tensor],
+    audios_per_row: Sequence[int],
+    placeholder_id: int,
+    mask_token_id: int,
+    pad_id: int,
+    sample_ids: Sequence[str] | None = None,
+) -> SplicedBatch:
+    """Replace each placeholder of row *i* by the next of its ``audios_per_row[i]`` audio embeddings."""
+    batch = input_ids.shape[0]
+    if len(audios_per_row) != batch or sum(audios_per_row) != len(audio_embeds):
+        raise PlaceholderMismatchError(
+            f"audios_per_row={list(audios_per_row)} does not describe {len(audio_embeds)} audios in a batch of {batch}"
+        )
+    rows = []
+    next_audio = 0
+    for i in range(batch):
+        n = int(lengths[i])
+        ids, mask, embs = input_ids[i, :n], loss_mask[i, :n].bool(), text_embeds[i, :n]
+        where = (ids == placeholder_id).nonzero(as_tuple=True)[0].tolist()
+        if len(where) != audios_per_row[i]:
+            name = sample_ids[i] if sample_ids is not None else f"row {i}"
+            raise PlaceholderMismatchError(
+                f"sample '{name}' has {len(where)} audio placeholder(s) but {audios_per_row[i]} audio(s)"
+            )
+        seg_ids, seg_mask, seg_embs, seg_audio = [], [], [], []
+        prev = 0
+        for pos in where + [n]:
+            seg_ids.append(ids[prev:pos])
+            seg_mask.append(mask[prev:pos])
+            seg_embs.append(embs[prev:pos])
+            seg_audio.append(torch.zeros(pos - prev, dtype=torch.bool, device=ids.device))
+            if pos == n:
+                break
+            frames = audio_embeds[next_audio].to(embs.dtype)
+            next_audio += 1
+            seg_ids.append(torch.full((frames.shape[0],), mask_token_id, dtype=ids.dtype, device=ids.device))
+            seg_mask.append(torch.zeros(frames.shape[0], dtype=torch.bool, device=ids.device))
+            seg_embs.append(frames)
+            seg_audio.append(torch.ones(frames.shape[0], dtype=torch.bool, device=ids.device))
+            prev = pos + 1
+        rows.append((torch.cat(seg_ids), torch.cat(seg_mask), torch.cat(seg_embs), torch.cat(seg_audio)))
+    return _right_pad(rows, pad_id, text_embeds)
+
+
+def _right_pad(rows, pad_id: int, like: torch.Tensor) -> SplicedBatch:
+    new_lengths = torch.tensor([r[0].shape[0] for r in rows], device=like.device)
+    width = int(new_lengths.max()) if rows else 0
+    batch, hidden = len(rows), like.shape[-1]
+    ids = torch.full((batch, width), pad_id, dtype=torch.long, device=like.device)
+    loss = torch.zeros(batch, width, dtype=torch.bool, device=like.device)
+    audio = torch.zeros_like(loss)
+    embeds = torch.zeros(batch, width, hidden, dtype=like.dtype, device=like.device)
+    for i, (r_ids, r_mask, r_embs, r_audio) in enumerate(rows):
+        n = r_ids.shape[0]
+        ids[i, :n], loss[i, :n], embeds[i, :n], audio[i, :n] = r_ids, r_mask, r_embs, r_audio
+    attention = torch.arange(width, device=like.device)[None, :] < new_lengths[:, None]
+    return SplicedBatch(embeds, ids, loss, attention, audio, new_lengths)

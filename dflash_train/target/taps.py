@@ -1,0 +1,95 @@
+"""Hidden-state taps on a decoder's blocks (DESIGN.md §3A).
+
+Feature *i* is the residual stream leaving decoder block *i*, before the final norm,
+captured with forward hooks (HF's ``hidden_states`` tuple puts the post-norm tensor in
+its last slot, so it cannot be used for the last block). Hooks live only for one forward
+and are removed even when the forward raises.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from dflash_train.errors import ConfigError
+
+
+class _StopForward(Exception):
+    """Raised by the last tap's hook when later blocks are not needed."""
+
+
+class TapRecorder:
+    """Collects the outputs of chosen decoder blocks during one forward pass."""
+
+    def __init__(self, layer_ids: Sequence[int]):
+        self.layer_ids = list(layer_ids)
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def features(self) -> torch.Tensor:
+        """Tapped states concatenated in ``layer_ids`` order: ``[B, S, len(layer_ids) * H]``."""
+        missing = [i for i in self.layer_ids if i not in self.outputs]
+        if missing:
+            raise RuntimeError(f"decoder blocks {missing} did not run; the forward stopped before them")
+        return torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+
+
+@contextmanager
+def record_taps(
+    layers: nn.ModuleList, layer_ids: Sequence[int], stop_after_last: bool = False
+) -> Iterator[TapRecorder]:
+    """Hook ``layers[i]`` for every tapped id for the duration of the ``with`` block.
+
+    With ``stop_after_last`` the forward is cut short after the deepest tapped block; the
+    caller runs the forward through :func:`run_until_taps_done` so that the cut is not
+    mistaken for an error.
+    """
+    recorder = TapRecorder(layer_ids)
+    last = max(layer_ids)
+    handles = []
+
+    def make_hook(index: int):
+        def hook(_module, _inputs, output):
+            hidden = output[0] if isinstance(output, (tuple, list)) else output
+            recorder.outputs[index] = hidden
+            if stop_after_last and index == last:
+                raise _StopForward
+
+        return hook
+
+    try:
+        for index in set(layer_ids):
+            handles.append(layers[index].register_forward_hook(make_hook(index)))
+        yield recorder
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def run_until_taps_done(forward, *args, **kwargs):
+    """Call ``forward``; a cut-short forward (all taps captured) returns ``None`` instead of raising."""
+    try:
+        return forward(*args, **kwargs)
+    except _StopForward:
+        return None
+
+
+def derive_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default taps: ``num_draft_layers`` distinct blocks spread evenly over the target's depth.
+
+    Follows the DFlash recipe (first tap at block 1, last at ``L - 3``) for deep targets and
+    widens the range for shallow ones so ids never repeat (nemo_automodel's helper can
+    return ``[1, 1]`` for a 4-block target with a 2-layer draft).
+    """
+    if num_target_layers < 1:
+        raise ConfigError(f"the target has {num_target_layers} decoder blocks; cannot derive taps")
+    count = min(num_draft_layers, num_target_layers)
+    start, end = 1, num_target_layers - 3
+    if end - start + 1 < count:
+        start, end = 0, num_target_layers - 1
+    if count == 1:
+        return [(start + end) // 2]
+    span = end - start
+    return [start + round(i * span / (count - 1)) for i in range(count)]

@@ -1,0 +1,1 @@
+"""Builders of tiny real models for tests, demos and benchmarks (no downloads)."""
