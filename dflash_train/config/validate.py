@@ -99,8 +99,8 @@ def _check_unknown_keys(node: DictConfig, schema: type, path: str = "") -> None:
             owners = [name for name, cls in VARIANTS.items() if key in {f.name for f in dataclasses.fields(cls)}]
             if issubclass(schema, DFlashConfig) and owners:
                 raise ConfigError(
-                    f"config key '{full}' belongs to variant {owners[0]}, not {node.get('variant')}; select the "
-                    f"variant with the config group (dflash={owners[0]}) rather than dflash.variant"
+                    f"config key '{full}' belongs to variant {owners[0]}, not {node.get('variant')}; choose the "
+                    f"variant with the config group (dflash={node.get('variant')}) instead of overriding dflash.variant"
                 )
             raise ConfigError(f"unknown config key '{full}'{_nearest(str(key), valid)}")
         if key not in fields:

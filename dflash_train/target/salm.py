@@ -70,14 +70,19 @@ class SALMTarget(nn.Module):
         return self.salm.embed_tokens
 
     @property
+    def causal_lm(self) -> nn.Module:
+        """The HF causal LM inside SALM (unwrapped from PEFT when LoRA is installed)."""
+        llm = self.salm.llm
+        return llm.get_base_model() if hasattr(llm, "get_base_model") else llm
+
+    @property
     def lm_head(self) -> nn.Module:
-        return self.salm.llm.get_output_embeddings()
+        # SALM moves embed_tokens out of the LLM, so HF's get_output_embeddings() returns None here.
+        return self.causal_lm.lm_head
 
     @property
     def decoder(self) -> nn.Module:
-        llm = self.salm.llm
-        base = llm.get_base_model() if hasattr(llm, "get_base_model") else llm
-        return base.get_decoder()
+        return self.causal_lm.get_decoder()
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
@@ -191,13 +196,18 @@ def _llm_config_for(model: ModelConfig):
 
 def read_target_dims(model: ModelConfig) -> TargetDims:
     """Depth, hidden size and vocabulary of the target LLM, without loading weights."""
-    if model.pretrained_name is not None and not Path(model.pretrained_name).exists() and "/" not in str(
-        model.pretrained_name
-    ):
-        raise ConfigError(
-            f"model.pretrained_name='{model.pretrained_name}' is neither an existing directory nor a hub id"
-        )
-    text = _llm_config_for(model).get_text_config()
+    name = model.pretrained_name
+    if name is not None:
+        hub_id_like = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+        if not Path(name).expanduser().exists() and not hub_id_like:
+            raise ConfigError(
+                f"model.pretrained_name='{name}' does not exist; point it at a SALM checkpoint directory "
+                "(config.json + model.safetensors) or a hub id (org/name)"
+            )
+    try:
+        text = _llm_config_for(model).get_text_config()
+    except OSError as err:
+        raise ConfigError(f"cannot read the target LLM config for model.pretrained_name='{name}': {err}") from None
     return TargetDims(int(text.num_hidden_layers), int(text.hidden_size), int(text.vocab_size))
 
 

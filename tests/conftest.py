@@ -1,0 +1,75 @@
+"""Shared fixtures: one tiny real SALM target and a few real spoken utterances per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+UTTERANCES = {
+    "utt-short": "hello world",
+    "utt-mid": "the draft proposes tokens and the target checks them",
+    "utt-long": "a small speech model listens to the clip and writes down every word it hears",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_salm_dir(tmp_path_factory) -> Path:
+    from dflash_train.testing.tiny_salm import build_tiny_salm
+
+    return build_tiny_salm(tmp_path_factory.mktemp("tiny_salm"))
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_salm_dir):
+    from nemo.collections.speechlm2.models import SALM
+
+    from dflash_train.target import SALMTarget
+
+    return SALMTarget(SALM.from_pretrained(str(tiny_salm_dir)))
+
+
+@pytest.fixture(scope="session")
+def speech_files(tmp_path_factory) -> dict[str, Path]:
+    from dflash_train.testing.speech import synthesize
+
+    out = tmp_path_factory.mktemp("speech")
+    return {uid: synthesize(text, out / f"{uid}.wav") for uid, text in UTTERANCES.items()}
+
+
+@pytest.fixture(scope="session")
+def speech_batch(speech_files):
+    """Real audio loaded through lhotse: ``(audios [N, T], audio_lens [N])`` in UTTERANCES order."""
+    from lhotse import CutSet, Recording
+
+    cuts = CutSet([Recording.from_file(str(p), recording_id=uid).to_cut() for uid, p in speech_files.items()])
+    audios, lens = cuts.load_audio(collate=True)
+    return torch.as_tensor(audios), torch.as_tensor(lens)
+
+
+def compose(config_name: str = "dflash", overrides: list[str] | None = None):
+    """Compose a recipe from conf/ exactly as the CLI does (Hydra compose API)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from dflash_train.cli import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=overrides or [])
+
+
+def tiny_run_overrides(salm_dir) -> list[str]:
+    """Overrides that make the main recipe valid for the tiny SALM on CPU."""
+    return [
+        f"model.pretrained_name={salm_dir}",
+        "data.train_ds.input_cfg=[]",
+        "trainer.precision=32-true",
+        "dflash.draft_num_hidden_layers=2",
+    ]

@@ -1,0 +1,126 @@
+"""Loading the real SALM target: determinism, strict weights, checks before the expensive load."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import compose, tiny_run_overrides
+from dflash_train.config import validate_config
+from dflash_train.errors import ConfigError
+from dflash_train.target import TargetLoadError, load_target_for_run, read_target_dims
+from dflash_train.target import load as load_module
+from dflash_train.testing.tiny_salm import build_tiny_salm
+
+
+def _run(salm_dir, *extra):
+    return validate_config(compose("dflash", tiny_run_overrides(salm_dir) + list(extra))).run
+
+
+def test_builder_is_deterministic_and_reload_is_identical(tiny_salm_dir, tiny_target, tmp_path):
+    again = build_tiny_salm(tmp_path / "again")
+    first = load_file(str(tiny_salm_dir / "model.safetensors"))
+    second = load_file(str(again / "model.safetensors"))
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    loaded = tiny_target.salm.state_dict()
+    assert all(torch.equal(loaded[k], first[k]) for k in first)
+    assert (tiny_salm_dir / "llm_backbone" / "config.json").exists()
+    assert (tiny_salm_dir / "tokenizer.json").exists()
+
+
+def test_tiny_target_shape(tiny_target):
+    assert tiny_target.num_layers == 6
+    assert tiny_target.hidden_size == 64
+    assert tiny_target.llm_config.head_dim >= 32
+    assert tiny_target.vocab_size == 384
+    assert tiny_target.tokenizer.token_to_id("<|audio|>") == tiny_target.audio_locator_tag_id
+
+
+def test_load_for_run_derives_taps_and_mask(tiny_salm_dir):
+    loaded = load_target_for_run(_run(tiny_salm_dir))
+    assert loaded.layer_ids == [1, 3]
+    assert loaded.mask_token_id == 320  # first embedding row past the 320-token tokenizer
+    assert not any(p.requires_grad for p in loaded.target.parameters())
+    assert not loaded.target.training
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("dflash.target_layer_ids=[0,6]", r"\[6\] outside the target's 6 decoder blocks"),
+        ("dflash.target_layer_ids=[-1,2]", r"\[-1\] outside the target's 6 decoder blocks"),
+        ("dflash.mask_token_id=384", "mask_token_id=384 is outside the target vocabulary"),
+        ("dflash.conv_group_size=24", "conv_group_size=24 must divide the target hidden size 64"),
+        ("dflash.selector_top_k=500", "selector_top_k=500 exceeds the target vocabulary"),
+    ],
+)
+def test_target_rules_fail_before_weights_load(tiny_salm_dir, monkeypatch, override, message):
+    def must_not_load(_):
+        raise AssertionError("the SALM was loaded before the config was checked")
+
+    monkeypatch.setattr(load_module, "load_salm", must_not_load)
+    with pytest.raises(ConfigError, match=message):
+        load_target_for_run(_run(tiny_salm_dir, override))
+
+
+def test_dims_read_from_files(tiny_salm_dir):
+    dims = read_target_dims(_run(tiny_salm_dir).model)
+    assert (dims.num_layers, dims.hidden_size, dims.vocab_size) == (6, 64, 384)
+
+
+def test_missing_checkpoint_dir_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no_such_salm"):
+        load_target_for_run(_run(tmp_path / "no_such_salm"))
+
+
+def test_audio_tag_must_match(tiny_salm_dir):
+    with pytest.raises(ConfigError, match="model.audio_locator_tag='<audio>' but the target uses '<|audio|>'"):
+        load_target_for_run(_run(tiny_salm_dir, "model.audio_locator_tag='<audio>'"))
+
+
+def test_init_from_checkpoint_is_strict(tiny_salm_dir, tmp_path):
+    state = load_file(str(tiny_salm_dir / "model.safetensors"))
+    dropped = "llm.model.norm.weight"
+    del state[dropped]
+    state["extra.weight"] = torch.zeros(2)
+    marker_key = "llm.lm_head.weight"
+    state[marker_key] = torch.full_like(state[marker_key], 0.5)
+    ckpt = tmp_path / "weights.safetensors"
+    save_file(state, str(ckpt))
+
+    with pytest.raises(TargetLoadError, match=rf"missing 1 key\(s\) \[{dropped}\].*unexpected 1 key\(s\) \[extra.weight\]"):
+        load_target_for_run(_run(tiny_salm_dir, f"model.init_from_checkpoint={ckpt}"))
+
+    loaded = load_target_for_run(
+        _run(tiny_salm_dir, f"model.init_from_checkpoint={ckpt}", "model.init_from_checkpoint_strict=false")
+    )
+    assert torch.equal(loaded.target.lm_head.weight, torch.full_like(loaded.target.lm_head.weight, 0.5))
+
+
+def test_init_from_checkpoint_shape_mismatch_always_fails(tiny_salm_dir, tmp_path):
+    state = load_file(str(tiny_salm_dir / "model.safetensors"))
+    state["llm.lm_head.weight"] = torch.zeros(3, 3)
+    ckpt = tmp_path / "bad.safetensors"
+    save_file(state, str(ckpt))
+    with pytest.raises(TargetLoadError, match=r"shape mismatch .*llm.lm_head.weight: checkpoint \(3, 3\) vs model \(384, 64\)"):
+        load_target_for_run(
+            _run(tiny_salm_dir, f"model.init_from_checkpoint={ckpt}", "model.init_from_checkpoint_strict=false")
+        )
+
+
+def test_build_from_salm_config_keys(tiny_salm_dir):
+    import json
+
+    salm_cfg = json.loads((tiny_salm_dir / "config.json").read_text())
+    salm_cfg["pretrained_llm"] = str(tiny_salm_dir / "llm_backbone")
+    salm_cfg["tokenizer_path"] = str(tiny_salm_dir)
+    for key in ("model_type", "architectures"):
+        salm_cfg.pop(key)
+    cfg = compose("dflash", tiny_run_overrides(tiny_salm_dir) + [f"model.init_from_checkpoint={tiny_salm_dir}"])
+    cfg.model.pretrained_name = None
+    cfg.model.salm = salm_cfg
+    run = validate_config(cfg).run
+    loaded = load_target_for_run(run)
+    reference = load_file(str(tiny_salm_dir / "model.safetensors"))
+    state = loaded.target.salm.state_dict()
+    assert all(torch.equal(state[k], reference[k]) for k in reference)
