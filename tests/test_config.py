@@ -1,0 +1,126 @@
+"""Every shipped YAML composes and validates; every rule rejects a bad value with its message."""
+
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, compose
+from dflash_train.config import DFlash2Config, missing_keys, validate_config
+from dflash_train.errors import ConfigError
+
+CONF = REPO_ROOT / "conf"
+PRIMARY_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml"))
+GROUP_OPTIONS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))
+VALID = ["model.pretrained_name=/ckpt/salm", "data.train_ds.input_cfg=[]"]
+
+
+def test_primary_configs_are_the_expected_ones():
+    assert PRIMARY_CONFIGS == ["demo", "dflash", "dflash_local"]
+
+
+@pytest.mark.parametrize("name", PRIMARY_CONFIGS)
+def test_every_primary_config_composes_and_validates(name):
+    cfg = compose(name)
+    if name == "dflash":
+        assert missing_keys(cfg) == ["model.pretrained_name", "data.train_ds.input_cfg"]
+        cfg = compose(name, VALID)
+    run, trainer_kwargs = validate_config(cfg)
+    assert run.dflash.block_size >= 2 and "max_steps" in trainer_kwargs
+
+
+@pytest.mark.parametrize("group, option", GROUP_OPTIONS)
+def test_every_group_option_composes_into_the_recipe(group, option):
+    validate_config(compose("dflash", VALID + [f"{group}={option}"]))
+
+
+def test_recipe_defaults():
+    cfg = compose("dflash", VALID)
+    run, trainer_kwargs = validate_config(cfg)
+    d = run.dflash
+    assert isinstance(d, DFlash2Config) and d.variant == "dflash2"
+    assert (d.block_size, d.loss_decay_gamma, d.num_anchors) == (8, 4.0, 512)
+    assert (d.label_source, d.projection_only, d.draft_num_hidden_layers) == ("target_argmax", False, 6)
+    assert (d.target_layer_ids, d.init_from_pretrained, d.lr, d.use_fused_linear_ce) == (None, None, 6.0e-4, False)
+    assert run.trainer.precision == "bf16-flash"
+    assert run.exp_manager.resume_if_exists is True
+    assert run.model.init_from_checkpoint_strict is True
+    assert run.model.audio_locator_tag == "<|audio|>"
+    assert (run.trainer.strategy.tp_size, run.trainer.strategy.pp_size, run.trainer.strategy.cp_size) == (1, 1, 1)
+    assert trainer_kwargs["use_distributed_sampler"] is False
+
+
+def test_user_config_inherits_recipe():
+    run, _ = validate_config(compose("dflash_local"))
+    assert run.model.pretrained_name == "/path/to/salm_checkpoint"
+    assert run.dflash.block_size == 8 and run.dflash.variant == "dflash2"
+
+
+def test_bf16_automodel_is_an_alias():
+    run, _ = validate_config(compose("dflash", VALID + ["trainer.precision=bf16-automodel"]))
+    assert run.trainer.precision == "bf16-flash"
+
+
+def test_dflash_group_selects_the_variant_schema():
+    run, _ = validate_config(compose("dflash", VALID + ["dflash=dflash"]))
+    assert type(run.dflash).__name__ == "DFlashConfig" and not hasattr(run.dflash, "selector_rank")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["+dflash.blok_size=4"], "unknown config key 'dflash.blok_size'; did you mean 'block_size'?"),
+        (["+trainer.max_stepz=4"], "unknown config key 'trainer.max_stepz'; did you mean 'max_steps'?"),
+        (["+model.pretrained_nam=x"], "unknown config key 'model.pretrained_nam'; did you mean 'pretrained_name'?"),
+        (["+exp_manager.resume=true"], "unknown config key 'exp_manager.resume'"),
+        (["+foo=1"], "unknown config key 'foo'"),
+        (["dflash.variant=dflash"], "belongs to variant dflash2, not dflash; choose the variant with the config group"),
+        (["dflash.variant=eagle"], "dflash.variant='eagle' is not a known variant"),
+        (["dflash.block_size=abc"], "config key 'dflash.block_size'"),
+        (["trainer.strategy.tp_size=2"], "trainer.strategy.tp_size=2 is not supported"),
+        (["trainer.strategy.pp_size=2"], "trainer.strategy.pp_size=2 is not supported"),
+        (["trainer.strategy.cp_size=4"], "trainer.strategy.cp_size=4 is not supported"),
+        (["trainer.strategy.name=megatron"], "trainer.strategy.name='megatron' is unknown"),
+        (["trainer.precision=16-mixed"], "trainer.precision='16-mixed' is not supported; use a BF16 mode"),
+        (["trainer.precision=32"], "trainer.precision='32' is not supported"),
+        (["dflash.use_fused_linear_ce=true"], "dflash.use_fused_linear_ce=true is not supported"),
+        (["dflash.projection_only=true"], "dflash.projection_only=true requires dflash.init_from_pretrained"),
+        (
+            ["dflash=dflash", "dflash.projection_only=true", "dflash.init_from_pretrained=/d"],
+            "dflash.projection_only=true requires dflash.variant=dflash2",
+        ),
+        (["dflash.block_size=1"], "dflash.block_size=1 must be >= 2"),
+        (["dflash.mask_token_id=-3"], "dflash.mask_token_id=-3 must be a non-negative token id"),
+        (["dflash.label_source=teacher"], "dflash.label_source='teacher' is unknown"),
+        (["dflash.attention_backend=eager"], "dflash.attention_backend='eager' is unknown"),
+        (["dflash.loss_decay_gamma=0"], "dflash.loss_decay_gamma=0.0 must be > 0"),
+        (["dflash.num_anchors=0"], "dflash.num_anchors=0 must be >= 1"),
+        (["dflash.lr=0"], "dflash.lr=0.0 must be > 0"),
+        (["dflash.draft_num_hidden_layers=0"], "dflash.draft_num_hidden_layers=0 must be >= 1"),
+        (["dflash.target_layer_ids=[2,2]"], "repeats a layer"),
+        (["dflash.target_layer_ids=[]"], "dflash.target_layer_ids is empty"),
+        (["+dflash.draft_model_config.num_hidden_layers=3"], "draft_model_config.num_hidden_layers is managed"),
+        (["dflash.selector_top_k=0"], "dflash.selector_top_k=0 must be >= 1"),
+        (["dflash.selector_loss_weight=-1"], "dflash.selector_loss_weight=-1.0 must be >= 0"),
+        (["+model.salm={pretrained_llm: x}"], "set exactly one of model.pretrained_name"),
+    ],
+)
+def test_bad_config_is_rejected_with_its_message(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose("dflash", VALID + overrides))
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_mandatory_values_are_named():
+    with pytest.raises(ConfigError, match="mandatory config value.*model.pretrained_name, data.train_ds.input_cfg"):
+        validate_config(compose("dflash"))
+
+
+def test_draft_model_config_passes_non_managed_keys():
+    run, _ = validate_config(compose("dflash", VALID + ["+dflash.draft_model_config.rope_theta=10000"]))
+    assert run.dflash.draft_model_config == {"rope_theta": 10000}
+
+
+def test_every_yaml_is_parsed_by_a_test():
+    tested = {f"{g}/{o}.yaml" for g, o in GROUP_OPTIONS} | {f"{n}.yaml" for n in PRIMARY_CONFIGS}
+    assert tested == {str(p.relative_to(CONF)) for p in Path(CONF).rglob("*.yaml")}
