@@ -129,3 +129,22 @@ def test_two_audios_in_one_row_are_spliced_in_order():
     assert out.input_ids[0].tolist() == [5, 99, 99, 6, 99, 99, 99, 9]
     assert out.loss_mask[0].tolist() == [False] * 7 + [True]
     assert out.inputs_embeds[0, :, 0].tolist() == [0, 1, 1, 0, 2, 2, 2, 0]
+
+
+def test_packed_document_ids_follow_their_placeholders():
+    ids = torch.tensor([[5, 7, 6, 8, 7, 9]])
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    out = splice_audio_frames(
+        input_ids=ids,
+        lengths=torch.tensor([6]),
+        loss_mask=torch.zeros(1, 6, dtype=torch.bool),
+        text_embeds=torch.zeros(1, 6, 2),
+        audio_embeds=[torch.ones(2, 2), torch.ones(3, 2)],
+        audios_per_row=[2],
+        placeholder_id=7,
+        mask_token_id=99,
+        pad_id=0,
+        document_ids=docs,
+    )
+    assert out.input_ids[0].tolist() == [5, 99, 99, 6, 8, 99, 99, 99, 9]
+    assert out.document_ids[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 1]

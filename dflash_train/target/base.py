@@ -42,6 +42,7 @@ class FrozenTarget(Protocol):
         audios_per_row: Sequence[int],
         mask_token_id: int,
         sample_ids: Sequence[str] | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> SplicedBatch: ...
 
     def forward_taps(

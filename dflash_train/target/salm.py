@@ -134,6 +134,7 @@ class SALMTarget(nn.Module):
         audios_per_row: Sequence[int],
         mask_token_id: int,
         sample_ids: Sequence[str] | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> SplicedBatch:
         """Embed text, run perception on the audio and splice its frames at the placeholders."""
         audio_embeds = self.encode_audio(audios, audio_lens) if len(audios_per_row) and sum(audios_per_row) else []
@@ -149,6 +150,7 @@ class SALMTarget(nn.Module):
             mask_token_id=mask_token_id,
             pad_id=self.pad_id,
             sample_ids=sample_ids,
+            document_ids=document_ids,
         )
 
     @torch.no_grad()

@@ -24,6 +24,7 @@ class SplicedBatch:
     attention_mask: torch.Tensor  # [B, S] bool; True for the first `lengths[i]` positions
     audio_mask: torch.Tensor  # [B, S] bool; True at audio frames
     lengths: torch.Tensor  # [B]
+    document_ids: torch.Tensor | None = None  # [B, S] packed rows: frames inherit their placeholder's document
 
 
 class PlaceholderMismatchError(ValueError):
@@ -41,8 +42,13 @@ def splice_audio_frames(
     mask_token_id: int,
     pad_id: int,
     sample_ids: Sequence[str] | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> SplicedBatch:
-    """Replace each placeholder of row *i* by the next of its ``audios_per_row[i]`` audio embeddings."""
+    """Replace each placeholder of row *i* by the next of its ``audios_per_row[i]`` audio embeddings.
+
+    ``document_ids`` (packed rows, ``-1`` on padding) are carried through: audio frames take
+    the document id of the placeholder they replace.
+    """
     batch = input_ids.shape[0]
     if len(audios_per_row) != batch or sum(audios_per_row) != len(audio_embeds):
         raise PlaceholderMismatchError(
@@ -53,30 +59,37 @@ def splice_audio_frames(
     for i in range(batch):
         n = int(lengths[i])
         ids, mask, embs = input_ids[i, :n], loss_mask[i, :n].bool(), text_embeds[i, :n]
+        docs = document_ids[i, :n] if document_ids is not None else torch.zeros_like(ids)
         where = (ids == placeholder_id).nonzero(as_tuple=True)[0].tolist()
         if len(where) != audios_per_row[i]:
             name = sample_ids[i] if sample_ids is not None else f"row {i}"
             raise PlaceholderMismatchError(
                 f"sample '{name}' has {len(where)} audio placeholder(s) but {audios_per_row[i]} audio(s)"
             )
-        seg_ids, seg_mask, seg_embs, seg_audio = [], [], [], []
+        seg_ids, seg_mask, seg_embs, seg_audio, seg_docs = [], [], [], [], []
         prev = 0
         for pos in where + [n]:
             seg_ids.append(ids[prev:pos])
             seg_mask.append(mask[prev:pos])
             seg_embs.append(embs[prev:pos])
             seg_audio.append(torch.zeros(pos - prev, dtype=torch.bool, device=ids.device))
+            seg_docs.append(docs[prev:pos])
             if pos == n:
                 break
             frames = audio_embeds[next_audio].to(embs.dtype)
+            count = frames.shape[0]
             next_audio += 1
-            seg_ids.append(torch.full((frames.shape[0],), mask_token_id, dtype=ids.dtype, device=ids.device))
-            seg_mask.append(torch.zeros(frames.shape[0], dtype=torch.bool, device=ids.device))
+            seg_ids.append(torch.full((count,), mask_token_id, dtype=ids.dtype, device=ids.device))
+            seg_mask.append(torch.zeros(count, dtype=torch.bool, device=ids.device))
             seg_embs.append(frames)
-            seg_audio.append(torch.ones(frames.shape[0], dtype=torch.bool, device=ids.device))
+            seg_audio.append(torch.ones(count, dtype=torch.bool, device=ids.device))
+            seg_docs.append(docs[pos].expand(count))
             prev = pos + 1
-        rows.append((torch.cat(seg_ids), torch.cat(seg_mask), torch.cat(seg_embs), torch.cat(seg_audio)))
-    return _right_pad(rows, pad_id, text_embeds)
+        rows.append(tuple(torch.cat(seg) for seg in (seg_ids, seg_mask, seg_embs, seg_audio, seg_docs)))
+    spliced = _right_pad(rows, pad_id, text_embeds)
+    if document_ids is None:
+        spliced.document_ids = None
+    return spliced
 
 
 def _right_pad(rows, pad_id: int, like: torch.Tensor) -> SplicedBatch:
@@ -86,9 +99,10 @@ def _right_pad(rows, pad_id: int, like: torch.Tensor) -> SplicedBatch:
     ids = torch.full((batch, width), pad_id, dtype=torch.long, device=like.device)
     loss = torch.zeros(batch, width, dtype=torch.bool, device=like.device)
     audio = torch.zeros_like(loss)
+    docs = torch.full((batch, width), -1, dtype=torch.long, device=like.device)
     embeds = torch.zeros(batch, width, hidden, dtype=like.dtype, device=like.device)
-    for i, (r_ids, r_mask, r_embs, r_audio) in enumerate(rows):
+    for i, (r_ids, r_mask, r_embs, r_audio, r_docs) in enumerate(rows):
         n = r_ids.shape[0]
-        ids[i, :n], loss[i, :n], embeds[i, :n], audio[i, :n] = r_ids, r_mask, r_embs, r_audio
+        ids[i, :n], loss[i, :n], embeds[i, :n], audio[i, :n], docs[i, :n] = r_ids, r_mask, r_embs, r_audio, r_docs
     attention = torch.arange(width, device=like.device)[None, :] < new_lengths[:, None]
-    return SplicedBatch(embeds, ids, loss, attention, audio, new_lengths)
+    return SplicedBatch(embeds, ids, loss, attention, audio, new_lengths, docs)
