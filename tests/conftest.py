@@ -73,3 +73,35 @@ def tiny_run_overrides(salm_dir) -> list[str]:
         "trainer.precision=32-true",
         "dflash.draft_num_hidden_layers=2",
     ]
+
+
+def chatml_speech_batch(target, speech_batch, texts: list[str], repeat: int = 1):
+    """A hand-built ``SpeechBatch``: ChatML prompt with one audio turn, loss on the assistant reply.
+
+    Independent of the data pipeline so module tests pin the batch contract on their own.
+    """
+    from dflash_train.data.batch import SpeechBatch
+
+    audios, audio_lens = speech_batch
+    tok = target.tokenizer
+    rows = []
+    for text in texts:
+        prompt = tok.text_to_ids("<|im_start|>user\nTranscribe: <|audio|><|im_end|>\n<|im_start|>assistant\n")
+        reply = tok.text_to_ids((text + " ") * repeat + "<|im_end|>")
+        rows.append((prompt + reply, [False] * len(prompt) + [True] * len(reply)))
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), target.pad_id)
+    loss = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (r_ids, r_loss) in enumerate(rows):
+        ids[i, : len(r_ids)] = torch.tensor(r_ids)
+        loss[i, : len(r_loss)] = torch.tensor(r_loss)
+    n = len(rows)
+    return SpeechBatch(
+        input_ids=ids,
+        loss_mask=loss,
+        lengths=torch.tensor([len(r) for r, _ in rows]),
+        audios=audios[:n],
+        audio_lens=audio_lens[:n],
+        audios_per_row=[1] * n,
+        sample_ids=[f"row-{i}" for i in range(n)],
+    )

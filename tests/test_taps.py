@@ -86,3 +86,17 @@ def test_derived_taps_are_distinct_and_in_range(target_layers, draft_layers, exp
 def test_derive_rejects_empty_target():
     with pytest.raises(ConfigError, match="0 decoder blocks"):
         derive_target_layer_ids(0, 2)
+
+
+def test_packed_documents_match_separate_forwards(tiny_target):
+    from dflash_train.data.packing import document_layout
+
+    first, second = _inputs(tiny_target, seed=4, batch=1, seq=7), _inputs(tiny_target, seed=5, batch=1, seq=5)
+    packed = torch.cat([first, second, torch.zeros(1, 2, first.shape[-1])], dim=1)
+    docs = torch.tensor([[0] * 7 + [1] * 5 + [-1] * 2])
+    layout = document_layout(docs)
+    out = tiny_target.forward_taps(packed, None, [0, 5], position_ids=layout.position_ids, document_ids=docs).features
+    alone_first = tiny_target.forward_taps(first, None, [0, 5]).features
+    alone_second = tiny_target.forward_taps(second, None, [0, 5]).features
+    torch.testing.assert_close(out[:, :7], alone_first, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[:, 7:12], alone_second, rtol=1e-5, atol=1e-5)

@@ -52,4 +52,5 @@ class FrozenTarget(Protocol):
         layer_ids: Sequence[int],
         return_last_hidden: bool = False,
         position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> TapOutput: ...

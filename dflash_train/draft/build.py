@@ -1,0 +1,114 @@
+"""Build a DFlash / DFlash2 draft shaped for a given target (nemo_automodel's classes)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+from dflash_train.config.schema import DFlashConfig
+from dflash_train.draft.variants import VARIANT_REGISTRY, DraftVariant
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """What fixes a draft's shape and its contract with the target and vLLM."""
+
+    cfg: DFlashConfig
+    layer_ids: tuple[int, ...]
+    mask_token_id: int
+    num_target_layers: int
+
+    @property
+    def variant(self) -> DraftVariant:
+        return VARIANT_REGISTRY[self.cfg.variant]
+
+    def dflash_config(self) -> dict:
+        """The ``dflash_config`` block of the draft's HF config (and of the export)."""
+        block = {
+            "mask_token_id": int(self.mask_token_id),
+            "target_layer_ids": list(self.layer_ids),
+            "block_size": int(self.cfg.block_size),
+        }
+        block.update({key: getattr(self.cfg, key) for key in self.variant.extra_config_keys})
+        return block
+
+
+def build_draft_config(target_llm_config, spec: DraftSpec, attention_backend: str):
+    """A Qwen3 config for the draft: the target's shape (hidden size, heads, vocab), draft depth."""
+    from transformers import Qwen3Config
+
+    text = target_llm_config.get_text_config().to_dict()
+    for key in ("architectures", "auto_map", "layer_types", "max_window_layers", "_name_or_path", "model_type"):
+        text.pop(key, None)
+    depth = spec.cfg.draft_num_hidden_layers
+    text.update(spec.cfg.draft_model_config)
+    text.update(
+        num_hidden_layers=depth,
+        layer_types=["full_attention"] * depth,
+        max_window_layers=depth,
+        num_target_layers=spec.num_target_layers,
+        dflash_config=spec.dflash_config(),
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+    )
+    config = Qwen3Config(**text)
+    config.architectures = [spec.variant.export_architecture]
+    config._attn_implementation = attention_backend
+    return config
+
+
+def build_draft(target_llm_config, spec: DraftSpec, attention_backend: str) -> nn.Module:
+    """A freshly initialised draft of ``spec.variant`` for this target."""
+    draft_cls, _ = spec.variant.load_classes()
+    return draft_cls(build_draft_config(target_llm_config, spec, attention_backend))
+
+
+def build_trainer_core(draft: nn.Module, target, spec: DraftSpec, attention_backend: str) -> nn.Module:
+    """nemo_automodel's trainer core (anchors, block mask, decayed CE, metrics) around ``draft``."""
+    _, trainer_cls = spec.variant.load_classes()
+    return trainer_cls(
+        draft_model=draft,
+        target_lm_head=target.lm_head,
+        target_embed_tokens=target.embed_tokens,
+        mask_token_id=spec.mask_token_id,
+        block_size=spec.cfg.block_size,
+        attention_backend=attention_backend,
+        num_anchors=spec.cfg.num_anchors,
+        loss_decay_gamma=spec.cfg.loss_decay_gamma,
+        **spec.variant.trainer_kwargs(spec.cfg),
+    )
+
+
+def warm_start(draft: nn.Module, export_dir: str, spec: DraftSpec) -> None:
+    """Load an exported draft into ``draft`` strictly; taps and mask token must match the run.
+
+    ``block_size`` may differ (8 → 16): no weight depends on it.
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from dflash_train.draft.export import CONFIG_FILE, WEIGHTS_FILE, DraftExportError, load_strictly
+    from dflash_train.errors import ConfigError
+
+    path = Path(export_dir)
+    if not (path / CONFIG_FILE).exists() or not (path / WEIGHTS_FILE).exists():
+        raise ConfigError(f"dflash.init_from_pretrained='{export_dir}' is not a draft export ({CONFIG_FILE} + {WEIGHTS_FILE})")
+    trained = json.loads((path / CONFIG_FILE).read_text()).get("dflash_config", {})
+    ours = spec.dflash_config()
+    for key in ("target_layer_ids", "mask_token_id"):
+        if key in trained and trained[key] != ours[key]:
+            raise ConfigError(
+                f"dflash.init_from_pretrained was trained with {key}={trained[key]} but this run uses {ours[key]}; "
+                f"set dflash.{key}={trained[key]}"
+            )
+    try:
+        load_strictly(draft, load_file(str(path / WEIGHTS_FILE)), source=str(path))
+    except DraftExportError as err:
+        raise ConfigError(f"dflash.init_from_pretrained: {err}") from None
+    log.info("draft: warm start from %s (block_size %s -> %s)", path, trained.get("block_size"), spec.cfg.block_size)

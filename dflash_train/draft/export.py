@@ -1,0 +1,129 @@
+"""The draft-only HF export vLLM loads (DESIGN.md §3E), and its strict reload.
+
+The export is a pure state-dict/config adapter: training names in, serving names out.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_train.draft.variants import variant_for_architecture
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+# Keys vLLM must not see: it would use them verbatim or expect other layouts.
+FORBIDDEN_CONFIG_KEYS = ("eagle_aux_hidden_state_layer_ids", "block_size", "auto_map")
+FORBIDDEN_WEIGHT_PREFIXES = ("embed_tokens.", "lm_head.")
+
+
+class DraftExportError(RuntimeError):
+    """An export directory does not match the draft it should hold."""
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded CPU state dict; a collective under FSDP2 (call it on every rank)."""
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def export_config(draft_config) -> dict:
+    """The serving config: vLLM's architecture name, non-causal, no training-only keys."""
+    config = draft_config.to_dict()
+    variant = variant_for_architecture(config["architectures"][0])
+    config["architectures"] = [variant.export_architecture]
+    config["model_type"] = "qwen3"
+    config["is_causal"] = False
+    for key in FORBIDDEN_CONFIG_KEYS:
+        config.pop(key, None)
+    for key in ("_attn_implementation", "_attn_implementation_autoset"):
+        config.pop(key, None)
+    return config
+
+
+def export_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Serving weight names: no ``model.`` prefix, no embedding or LM head (vLLM uses the target's)."""
+    out = {}
+    for name, tensor in state.items():
+        name = name.removeprefix("model.")
+        if name.startswith(FORBIDDEN_WEIGHT_PREFIXES) or "rotary_emb" in name:
+            continue
+        out[name] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+def write_export(out_dir: str | Path, draft_config, state: dict[str, torch.Tensor]) -> Path:
+    """Write ``config.json`` and ``model.safetensors``; returns the directory."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = export_config(draft_config)
+    weights = export_state_dict(state)
+    save_file(weights, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
+    return out_dir
+
+
+def load_export(path: str | Path, attention_backend: str = "sdpa", overrides: dict | None = None) -> nn.Module:
+    """Rebuild a draft from an export and load its weights strictly.
+
+    ``overrides`` replace ``dflash_config`` entries before the draft is built (a warm start
+    with a different ``block_size`` keeps every weight: none depends on the block size).
+    """
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config
+
+    path = Path(path)
+    if not (path / CONFIG_FILE).exists() or not (path / WEIGHTS_FILE).exists():
+        raise DraftExportError(f"'{path}' is not a draft export: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+    raw = json.loads((path / CONFIG_FILE).read_text())
+    variant = variant_for_architecture(raw["architectures"][0])
+    raw["dflash_config"] = {**raw.get("dflash_config", {}), **(overrides or {})}
+    config = Qwen3Config(**raw)
+    config._attn_implementation = attention_backend
+    draft_cls, _ = variant.load_classes()
+    draft = draft_cls(config)
+    load_strictly(draft, load_file(str(path / WEIGHTS_FILE)), source=str(path))
+    return draft
+
+
+def load_strictly(draft: nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Load export-named ``weights`` into ``draft``; any missing, unexpected or mis-shaped key is an error."""
+    own = export_state_dict(draft.state_dict())
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    mis_shaped = sorted(
+        f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}"
+        for k in set(own) & set(weights)
+        if own[k].shape != weights[k].shape
+    )
+    if missing or unexpected or mis_shaped:
+        raise DraftExportError(
+            f"draft weights in '{source}' do not match the draft: missing {missing or 'none'}, "
+            f"unexpected {unexpected or 'none'}, shape mismatch (export vs draft) {mis_shaped or 'none'}"
+        )
+    result = draft.load_state_dict(weights, strict=False)
+    leftover = [k for k in result.missing_keys if "rotary_emb" not in k]
+    if leftover:
+        raise DraftExportError(f"draft weights in '{source}' left {leftover} unloaded")
+
+
+def verify_export(path: str | Path, state: dict[str, torch.Tensor]) -> int:
+    """Reload an export strictly and check every tensor equals ``state``; returns the tensor count."""
+    from safetensors.torch import load_file
+
+    reloaded = load_export(path)
+    expected = export_state_dict(state)
+    on_disk = load_file(str(Path(path) / WEIGHTS_FILE))
+    rebuilt = export_state_dict(reloaded.state_dict())
+    differing = [k for k in expected if not torch.equal(expected[k], on_disk[k]) or not torch.equal(rebuilt[k], on_disk[k])]
+    if differing:
+        raise DraftExportError(f"export '{path}' differs from the trained draft in {differing[:8]}")
+    return len(expected)

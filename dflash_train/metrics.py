@@ -1,0 +1,74 @@
+"""Additive step statistics, summed exactly across batches and data-parallel ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over the default process group (identity in a single process)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def world_size() -> int:
+    """Number of data-parallel processes (1 without torch.distributed)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@dataclass
+class BlockStats:
+    """Sums from which loss, accuracy and acceptance length are exact ratios.
+
+    ``weighted_loss`` is Σ w·CE (the loss times its weight), ``weight`` Σ w; ``accept_sum``
+    is the bonus-inclusive acceptance length summed over ``blocks``.
+    """
+
+    weighted_loss: float = 0.0
+    weight: float = 0.0
+    correct: float = 0.0
+    tokens: float = 0.0
+    accept_sum: float = 0.0
+    blocks: float = 0.0
+    batches: float = 0.0
+    skipped: float = 0.0
+
+    def add(self, other: "BlockStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def all_reduced(self, device: torch.device) -> "BlockStats":
+        """The same sums over every rank."""
+        values = torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64, device=device)
+        values = all_reduce_sum(values).tolist()
+        return BlockStats(*values)
+
+    @property
+    def loss(self) -> float:
+        return self.weighted_loss / self.weight if self.weight > 0 else 0.0
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.tokens if self.tokens > 0 else 0.0
+
+    @property
+    def accept_len(self) -> float:
+        return self.accept_sum / self.blocks if self.blocks > 0 else 0.0
+
+
+def stats_from_step(metrics) -> BlockStats:
+    """Additive sums of one trainer-core step (``DFlashStepMetrics`` / ``DFlash2StepMetrics``)."""
+    return BlockStats(
+        weighted_loss=float(metrics.loss.detach()) * float(metrics.loss_weight),
+        weight=float(metrics.loss_weight),
+        correct=float(metrics.correct_tokens),
+        tokens=float(metrics.valid_tokens),
+        accept_sum=float(metrics.accept_len_sum),
+        blocks=float(metrics.valid_blocks),
+        batches=1.0,
+    )

@@ -1,0 +1,304 @@
+"""The Lightning module that trains a DFlash / DFlash2 draft against a frozen target.
+
+The target is held as a plain attribute, not a submodule: it is never trained, sharded,
+moved by Lightning or written into checkpoints. Optimisation is manual so a step with no
+valid anchor on any rank can be skipped on every rank together while still advancing the
+step counter, without touching weights or optimizer state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+from dflash_train.data.batch import SpeechBatch
+from dflash_train.data.packing import document_layout
+from dflash_train.draft.build import DraftSpec, build_trainer_core
+from dflash_train.labels import target_argmax_labels
+from dflash_train.metrics import BlockStats, all_reduce_sum, stats_from_step, world_size
+
+log = logging.getLogger(__name__)
+
+SKIP_NO_ANCHOR = "no_valid_anchor"
+
+
+@dataclass
+class OptimSettings:
+    """Optimizer, scheduler and step settings; ``optimizer`` / ``lr_scheduler`` are Hydra ``_target_`` dicts."""
+
+    lr: float = 6.0e-4
+    weight_decay: float = 0.0
+    optimizer: Optional[dict] = None
+    lr_scheduler: Optional[dict] = None
+    gradient_clip_val: Optional[float] = None
+    accumulate_grad_batches: int = 1
+
+
+@dataclass
+class ModuleSettings:
+    """Everything the module needs besides the target and the draft."""
+
+    layer_ids: list[int]
+    label_source: str = "target_argmax"
+    attention_backend: str = "sdpa"
+    projection_only: bool = False
+    seed: int = 0
+    optim: OptimSettings = field(default_factory=OptimSettings)
+    val_names: list[str] = field(default_factory=lambda: ["val"])
+
+
+@dataclass
+class StepInputs:
+    """The trainer core's inputs for one batch (DESIGN.md §3B–3D)."""
+
+    input_ids: torch.Tensor
+    features: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    seq_lens: torch.Tensor
+    doc_remaining: torch.Tensor
+
+
+class DFlashDraftModule(L.LightningModule):
+    """Trains ``draft`` on the frozen ``target``'s taps with nemo_automodel's trainer core."""
+
+    def __init__(self, target, draft: torch.nn.Module, spec: DraftSpec, settings: ModuleSettings):
+        super().__init__()
+        self.automatic_optimization = False
+        object.__setattr__(self, "target", target)
+        self.spec = spec
+        self.settings = settings
+        self.core = build_trainer_core(draft, target, spec, settings.attention_backend)
+        self.skip_counts: Counter[str] = Counter()
+        self._val_stats: dict[str, BlockStats] = {}
+        if settings.projection_only:
+            for name, param in self.draft.named_parameters():
+                param.requires_grad_(name == "fc.weight")
+
+    @property
+    def draft(self) -> torch.nn.Module:
+        return self.core.draft_model
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.draft.parameters() if p.requires_grad]
+
+    def configure_model(self) -> None:
+        """Shard the draft with FSDP2 over the data-parallel mesh (ModelParallelStrategy only)."""
+        mesh = getattr(self, "device_mesh", None)
+        if mesh is None or getattr(self, "_sharded", False):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = mesh["data_parallel"]
+        for layer in self.draft.layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(self.draft, mesh=dp_mesh)
+        self._sharded = True
+
+    def setup(self, stage: str) -> None:
+        self.target.to(self.device)
+
+    def on_fit_start(self) -> None:
+        self.target.to(self.device)
+
+    # ------------------------------------------------------------------ inputs
+    def prepare(self, batch: SpeechBatch) -> StepInputs:
+        """Splice audio, tap the target, choose labels and lay out documents."""
+        target = self.target
+        spliced = target.splice_batch(
+            batch.input_ids,
+            batch.lengths,
+            batch.loss_mask,
+            batch.audios,
+            batch.audio_lens,
+            batch.audios_per_row,
+            self.spec.mask_token_id,
+            sample_ids=batch.sample_ids,
+            document_ids=batch.document_ids,
+        )
+        packed = spliced.document_ids is not None
+        doc_ids = spliced.document_ids if packed else torch.where(spliced.attention_mask, 0, -1)
+        layout = document_layout(doc_ids)
+        argmax = self.settings.label_source == "target_argmax"
+        taps = target.forward_taps(
+            spliced.inputs_embeds,
+            None if packed else spliced.attention_mask,
+            self.settings.layer_ids,
+            return_last_hidden=argmax,
+            position_ids=layout.position_ids if packed else None,
+            document_ids=doc_ids if packed else None,
+        )
+        ids = spliced.input_ids
+        if argmax:
+            ids = target_argmax_labels(ids, spliced.loss_mask, taps.last_hidden, target.lm_head)
+        return StepInputs(ids, taps.features, spliced.loss_mask, layout.position_ids, layout.seq_lens, layout.doc_remaining)
+
+    def has_valid_anchor(self, inputs: StepInputs) -> bool:
+        """Whether any row holds a supervised position with a full block left in its document."""
+        block = self.spec.cfg.block_size
+        return bool((inputs.loss_mask & (inputs.doc_remaining >= block - 1)).any())
+
+    def run_core(self, inputs: StepInputs, rng_key: int):
+        """One trainer-core forward; anchor sampling is seeded by ``rng_key`` so resumes are exact."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(rng_key)
+            return self.core(
+                inputs.input_ids,
+                inputs.features,
+                inputs.loss_mask.float(),
+                position_ids=inputs.position_ids,
+                seq_lens=inputs.seq_lens,
+                doc_remaining=inputs.doc_remaining,
+            )
+
+    def _rng_key(self, step: int, batch_idx: int, stream: int) -> int:
+        return (self.settings.seed * 1_000_003 + step * 7_919 + batch_idx * 131 + stream * 17 + self.global_rank) % (
+            2**63 - 1
+        )
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch: SpeechBatch, batch_idx: int) -> None:
+        started = time.perf_counter()
+        optimizer = self.optimizers()
+        accumulate = self.settings.optim.accumulate_grad_batches
+        inputs = self.prepare(batch)
+        local_ok = self.has_valid_anchor(inputs)
+        ranks_ok = int(all_reduce_sum(torch.tensor([int(local_ok)], device=self.device)).item())
+        is_last_micro = (batch_idx + 1) % accumulate == 0
+        if ranks_ok == 0:
+            self._skip_step(optimizer, is_last_micro)
+            return
+        stats = BlockStats(batches=1.0)
+        if local_ok:
+            metrics = self.run_core(inputs, self._rng_key(self.global_step, batch_idx, 0))
+            local = stats_from_step(metrics)
+            loss_sum = metrics.loss * metrics.loss_weight
+            stats = local
+        else:
+            self.skip_counts[SKIP_NO_ANCHOR] += 1
+            metrics = None
+            loss_sum = sum(p.sum() for p in self.trainable_parameters()) * 0.0
+        total_weight = all_reduce_sum(torch.tensor([stats.weight], device=self.device, dtype=torch.float64)).item()
+        # DP frameworks average gradients over ranks; scale so the result is Σw·CE / Σw over all ranks.
+        loss = loss_sum * (world_size() / (total_weight * accumulate))
+        self.manual_backward(loss)
+        if is_last_micro:
+            self._optimizer_step(optimizer)
+        self._log_train(stats, metrics, inputs, started)
+
+    def _optimizer_step(self, optimizer) -> None:
+        clip = self.settings.optim.gradient_clip_val
+        if clip:
+            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+
+    def _skip_step(self, optimizer, is_last_micro: bool) -> None:
+        """Every rank lacks an anchor: advance the step with no gradient (AdamW skips grad-less params)."""
+        self.skip_counts[SKIP_NO_ANCHOR] += 1
+        if is_last_micro:
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+        self.log("train/dflash_skipped_step", 1.0, on_step=True)
+        self.log(f"train/skipped/{SKIP_NO_ANCHOR}", float(self.skip_counts[SKIP_NO_ANCHOR]))
+
+    def _log_train(self, stats: BlockStats, metrics, inputs: StepInputs, started: float) -> None:
+        total = stats.all_reduced(self.device)
+        elapsed = time.perf_counter() - started
+        tokens = float(all_reduce_sum(torch.tensor([float(inputs.doc_remaining.ge(0).sum())], device=self.device)))
+        values = {
+            "train/dflash_loss": total.loss,
+            "train/dflash_accuracy": total.accuracy,
+            "train/accept_len": total.accept_len,
+            "train/valid_tokens": total.tokens,
+            "train/valid_blocks": total.blocks,
+            "train/dflash_skipped_step": 0.0,
+            "train/tokens_per_second": tokens / max(elapsed, 1e-9),
+            "train/step_time": elapsed,
+            "train/lr": self.optimizers().param_groups[0]["lr"],
+        }
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            values["train/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if metrics is not None and hasattr(metrics, "selector_loss"):
+            values.update(
+                {
+                    "train/base_loss": float(metrics.base_loss),
+                    "train/selector_loss": float(metrics.selector_loss),
+                    "train/base_accept_len": float(metrics.base_accept_len),
+                    "train/candidate_recall": float(metrics.candidate_recall),
+                }
+            )
+        self.log_dict(values, on_step=True)
+        self.log_dict(
+            {"loss": total.loss, "accept_len": total.accept_len, "tok/s": values["train/tokens_per_second"]},
+            prog_bar=True,
+            on_step=True,
+            logger=False,
+        )
+
+    # ------------------------------------------------------------------ validation
+    def on_validation_epoch_start(self) -> None:
+        self._val_stats = {name: BlockStats() for name in self.settings.val_names}
+
+    def validation_step(self, batch: SpeechBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        name = self.settings.val_names[dataloader_idx]
+        inputs = self.prepare(batch)
+        if not self.has_valid_anchor(inputs):
+            self._val_stats[name].add(BlockStats(batches=1.0, skipped=1.0))
+            return
+        metrics = self.run_core(inputs, self._rng_key(0, batch_idx, 1 + dataloader_idx))
+        self._val_stats[name].add(stats_from_step(metrics))
+
+    def on_validation_epoch_end(self) -> None:
+        overall = BlockStats()
+        for name, stats in self._val_stats.items():
+            total = stats.all_reduced(self.device)
+            overall.add(total)
+            prefix = "val" if len(self._val_stats) == 1 else f"val_{name}"
+            self.log_dict(
+                {
+                    f"{prefix}/dflash_loss": total.loss,
+                    f"{prefix}/dflash_accuracy": total.accuracy,
+                    f"{prefix}/accept_len": total.accept_len,
+                    f"{prefix}/valid_blocks": total.blocks,
+                    f"{prefix}/skipped_batches": total.skipped,
+                },
+                )
+        if overall.batches > 0 and overall.skipped == overall.batches:
+            log.warning(
+                "every validation batch was skipped (no valid anchor): val_acc=0 is not evidence of useful validation"
+            )
+        self.log_dict(
+            {
+                "val/dflash_loss": overall.loss,
+                "val/dflash_accuracy": overall.accuracy,
+                "val/accept_len": overall.accept_len,
+                "val_acc": overall.accuracy,
+            },
+            prog_bar=True,
+        )
+
+    # ------------------------------------------------------------------ optimizer
+    def configure_optimizers(self) -> Any:
+        from hydra.utils import instantiate
+
+        optim = self.settings.optim
+        params = self.trainable_parameters()
+        if optim.optimizer is not None:
+            optimizer = instantiate(optim.optimizer, params=params)
+        else:
+            optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
+        if optim.lr_scheduler is None:
+            return optimizer
+        scheduler = instantiate(optim.lr_scheduler, optimizer=optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

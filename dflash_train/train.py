@@ -1,0 +1,221 @@
+"""The training recipe: from a validated config to a trained, exported, verified draft.
+
+Order matters for users: every check that can fail fast (config, data paths, taps, mask
+token, attention backend) runs before the target's weights load or a process group forms.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from dflash_train.config.schema import LIGHTNING_PRECISION, RunConfig
+from dflash_train.config.validate import ValidatedConfig
+from dflash_train.draft.build import DraftSpec, build_draft, warm_start
+from dflash_train.draft.export import full_state_dict, verify_export, write_export
+from dflash_train.errors import ConfigError
+from dflash_train.module import DFlashDraftModule, ModuleSettings, OptimSettings
+from dflash_train.target import load_target_for_run
+
+log = logging.getLogger(__name__)
+
+# Lightning arguments the module implements itself (manual optimisation).
+MANUAL_TRAINER_KEYS = ("gradient_clip_val", "accumulate_grad_batches")
+
+
+@dataclass
+class TrainSummary:
+    """What a finished (or interrupted) run leaves behind."""
+
+    run_dir: Path
+    steps: int
+    train_loss: Optional[float]
+    val_loss: Optional[float]
+    val_accept_len: Optional[float]
+    export_dir: Optional[Path]
+    resumed_from: Optional[Path]
+
+
+def run_directory(run: RunConfig) -> Path:
+    """``exp_manager.explicit_log_dir``, else ``exp_dir/name[/version]``."""
+    em = run.exp_manager
+    if em.explicit_log_dir:
+        return Path(em.explicit_log_dir)
+    base = Path(em.exp_dir) / em.name
+    return base / em.version if em.version else base
+
+
+def resolve_attention_backend(requested: Optional[str], accelerator: str) -> str:
+    """``flex_attention`` on GPU, ``sdpa`` on CPU; a CPU run asking for flex is a config error."""
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if requested is None:
+        return "flex_attention" if on_gpu else "sdpa"
+    if requested == "flex_attention" and not on_gpu:
+        raise ConfigError(
+            "dflash.attention_backend=flex_attention needs a GPU (its backward is GPU-only); "
+            "set dflash.attention_backend=sdpa or null for CPU runs"
+        )
+    return requested
+
+
+def build_strategy(run: RunConfig, accelerator: str):
+    """Lightning strategy for ``trainer.strategy.name``."""
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    name = run.trainer.strategy.name
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
+    if name == "ddp":
+        return DDPStrategy(process_group_backend="gloo" if on_cpu else "nccl")
+    if name == "fsdp2":
+        return ModelParallelStrategy(
+            data_parallel_size=run.trainer.strategy.dp_size or "auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=False,
+        )
+    return "auto"
+
+
+class ExportOnTrainEnd(Callback):
+    """Write the draft-only HF export when training ends, reload it strictly and compare."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = out_dir
+        self.written: Optional[Path] = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: DFlashDraftModule) -> None:
+        state = full_state_dict(pl_module.draft)  # collective under FSDP2: every rank calls it
+        if trainer.is_global_zero:
+            write_export(self.out_dir, pl_module.draft.config, state)
+            count = verify_export(self.out_dir, state)
+            log.info("export: wrote %s (%d tensors), reloaded strictly and matched", self.out_dir, count)
+            self.written = self.out_dir
+        trainer.strategy.barrier("dflash-export")
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        log.error(
+            "training stopped by %s at step %d: no final export was written; the last checkpoint in %s resumes the run",
+            type(exception).__name__,
+            trainer.global_step,
+            Path(trainer.default_root_dir) / "checkpoints",
+        )
+
+
+class LogResume(Callback):
+    """Say where a resumed run starts: global step and learning rate."""
+
+    def __init__(self, ckpt_path: Optional[Path]):
+        self.ckpt_path = ckpt_path
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.ckpt_path is not None:
+            lr = trainer.optimizers[0].param_groups[0]["lr"]
+            log.info("resumed from %s at global step %d, lr %.3g", self.ckpt_path, trainer.global_step, lr)
+
+
+def _callbacks(run: RunConfig, run_dir: Path, val_every: Optional[int]) -> list[Callback]:
+    em = run.exp_manager
+    ckpt_dir = run_dir / "checkpoints"
+    every = em.checkpoint_every_n_steps or val_every
+    callbacks: list[Callback] = [
+        ModelCheckpoint(dirpath=ckpt_dir, save_top_k=0, save_last=em.save_last, every_n_train_steps=every),
+    ]
+    if em.save_top_k > 0:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=ckpt_dir,
+                filename="best-{step}-{val_acc:.4f}",
+                monitor=em.checkpoint_monitor,
+                mode=em.checkpoint_mode,
+                save_top_k=em.save_top_k,
+            )
+        )
+    return callbacks
+
+
+def _loggers(run: RunConfig, run_dir: Path) -> list:
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    loggers = []
+    if run.exp_manager.create_tensorboard_logger:
+        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
+    if run.exp_manager.create_csv_logger:
+        loggers.append(CSVLogger(save_dir=str(run_dir), name="csv", version=""))
+    return loggers or False
+
+
+def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
+    """Run the recipe; ``datamodule_factory(run, target)`` replaces the configured data pipeline (tests)."""
+    run, trainer_kwargs = validated
+    trainer_kwargs = dict(trainer_kwargs)
+    accelerator = str(trainer_kwargs.get("accelerator", "auto"))
+    backend = resolve_attention_backend(run.dflash.attention_backend, accelerator)
+    if datamodule_factory is None:
+        from dflash_train.data.setup import build_datamodule, check_data_config
+
+        check_data_config(run.data)
+        datamodule_factory = build_datamodule
+    L.seed_everything(run.seed, workers=True)
+    target, layer_ids, mask_token_id = load_target_for_run(run)
+    if run.trainer.precision.startswith("bf16"):
+        target.to(torch.bfloat16)
+    spec = DraftSpec(run.dflash, tuple(layer_ids), mask_token_id, target.num_layers)
+    draft = build_draft(target.salm.llm.config, spec, backend)
+    if run.dflash.init_from_pretrained:
+        warm_start(draft, run.dflash.init_from_pretrained, spec)
+    else:
+        log.info("draft: fresh initialisation (%s, %d layers)", spec.variant.name, run.dflash.draft_num_hidden_layers)
+
+    datamodule = datamodule_factory(run, target)
+    settings = ModuleSettings(
+        layer_ids=list(layer_ids),
+        label_source=run.dflash.label_source,
+        attention_backend=backend,
+        projection_only=run.dflash.projection_only,
+        seed=run.seed,
+        optim=OptimSettings(
+            lr=run.dflash.lr,
+            weight_decay=run.dflash.weight_decay,
+            optimizer=run.dflash.optimizer,
+            lr_scheduler=run.dflash.lr_scheduler,
+            gradient_clip_val=trainer_kwargs.pop("gradient_clip_val", None),
+            accumulate_grad_batches=int(trainer_kwargs.pop("accumulate_grad_batches", 1) or 1),
+        ),
+        val_names=list(getattr(datamodule, "val_names", ["val"])),
+    )
+    module = DFlashDraftModule(target, draft, spec, settings)
+
+    run_dir = run_directory(run)
+    export_dir = Path(run.dflash.output_dir)
+    export_dir = export_dir if export_dir.is_absolute() else run_dir / export_dir
+    last = run_dir / "checkpoints" / "last.ckpt"
+    ckpt_path = last if run.exp_manager.resume_if_exists and last.exists() else None
+    if ckpt_path is None and run.exp_manager.resume_if_exists and not run.exp_manager.resume_ignore_no_checkpoint:
+        raise ConfigError(f"exp_manager.resume_if_exists=true but {last} does not exist")
+    val_every = trainer_kwargs.get("val_check_interval")
+    exporter = ExportOnTrainEnd(export_dir)
+    trainer = L.Trainer(
+        **trainer_kwargs,
+        precision=LIGHTNING_PRECISION[run.trainer.precision],
+        strategy=build_strategy(run, accelerator),
+        callbacks=_callbacks(run, run_dir, val_every if isinstance(val_every, int) else None)
+        + [exporter, LogResume(ckpt_path)],
+        logger=_loggers(run, run_dir),
+        default_root_dir=str(run_dir),
+    )
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return TrainSummary(
+        run_dir=run_dir,
+        steps=trainer.global_step,
+        train_loss=metrics.get("train/dflash_loss"),
+        val_loss=metrics.get("val/dflash_loss"),
+        val_accept_len=metrics.get("val/accept_len"),
+        export_dir=exporter.written,
+        resumed_from=ckpt_path,
+    )
