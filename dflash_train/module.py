@@ -264,15 +264,13 @@ class DFlashDraftModule(L.LightningModule):
         for name, stats in self._val_stats.items():
             total = stats.all_reduced(self.device)
             overall.add(total)
-            prefix = "val" if len(self._val_stats) == 1 else f"val_{name}"
-            self.log_dict(
-                {
-                    f"{prefix}/dflash_loss": total.loss,
-                    f"{prefix}/dflash_accuracy": total.accuracy,
-                    f"{prefix}/accept_len": total.accept_len,
-                    f"{prefix}/valid_blocks": total.blocks,
-                    f"{prefix}/skipped_batches": total.skipped,
-                },
+            if len(self._val_stats) > 1:
+                self.log_dict(
+                    {
+                        f"val_{name}/dflash_loss": total.loss,
+                        f"val_{name}/dflash_accuracy": total.accuracy,
+                        f"val_{name}/accept_len": total.accept_len,
+                    }
                 )
         if overall.batches > 0 and overall.skipped == overall.batches:
             log.warning(
@@ -283,6 +281,8 @@ class DFlashDraftModule(L.LightningModule):
                 "val/dflash_loss": overall.loss,
                 "val/dflash_accuracy": overall.accuracy,
                 "val/accept_len": overall.accept_len,
+                "val/valid_blocks": overall.blocks,
+                "val/skipped_batches": overall.skipped,
                 "val_acc": overall.accuracy,
             },
             prog_bar=True,

@@ -52,7 +52,11 @@ _CORPUS = [
 
 @dataclass(frozen=True)
 class TinySALMSpec:
-    """Sizes of the tiny target; defaults keep head_dim >= 32 so vLLM's CPU backend can serve it."""
+    """Sizes of the tiny target; defaults keep head_dim >= 32 so vLLM's CPU backend can serve it.
+
+    ``lm_head_std`` scales the random LM head so logits are as peaked as a trained model's
+    (with HF's default init every distribution is near uniform and no draft can fit it).
+    """
 
     hidden_size: int = 64
     num_hidden_layers: int = 6
@@ -65,6 +69,7 @@ class TinySALMSpec:
     encoder_d_model: int = 32
     encoder_layers: int = 1
     n_mels: int = 32
+    lm_head_std: float = 0.5
     seed: int = 1234
 
 
@@ -205,6 +210,9 @@ def build_tiny_salm(out_dir: str | Path, spec: TinySALMSpec = TinySALMSpec()) ->
     }
     torch.manual_seed(spec.seed)
     model = SALM(cfg)
+    with torch.no_grad():
+        # HF's 0.02 init gives near-uniform logits (std ~0.16); a trained LM head gives peaked ones.
+        model.llm.lm_head.weight.normal_(0.0, spec.lm_head_std)
     model.save_pretrained(out_dir)
     _make_paths_relative(out_dir)
     return out_dir

@@ -1,0 +1,179 @@
+"""The draft-training recipe end to end on the tiny real SALM (single process, CPU)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import UTTERANCES, chatml_speech_batch, compose, tiny_run_overrides
+from dflash_train.config import validate_config
+from dflash_train.errors import ConfigError
+from dflash_train.train import train
+from listdata import ListDataModule
+
+TEXTS = list(UTTERANCES.values())
+
+
+def _recipe(salm_dir, run_dir, *extra, variant="dflash2"):
+    overrides = tiny_run_overrides(salm_dir) + [
+        f"dflash={variant}",
+        "trainer=cpu",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "+trainer.enable_progress_bar=false",
+        "+trainer.enable_model_summary=false",
+        "dflash.block_size=4",
+        "dflash.num_anchors=512",
+        "dflash.lr=3e-3",
+        f"exp_manager.explicit_log_dir={run_dir}",
+        "exp_manager.create_tensorboard_logger=false",
+    ]
+    if variant == "dflash2":
+        overrides += ["dflash.selector_rank=16", "dflash.selector_top_k=8"]
+    return validate_config(compose("dflash", overrides + list(extra)))
+
+
+@pytest.fixture(scope="module")
+def batches(tiny_target, speech_batch):
+    train_batches = [chatml_speech_batch(tiny_target, speech_batch, TEXTS, repeat=2)]
+    val_batches = [chatml_speech_batch(tiny_target, speech_batch, TEXTS[::-1], repeat=2)]
+    return train_batches, val_batches
+
+
+def _factory(batches):
+    return lambda run, target: ListDataModule(*batches)
+
+
+def _csv_rows(run_dir):
+    import csv
+
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def _series(rows, key):
+    return [float(r[key]) for r in rows if r.get(key)]
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_training_lowers_loss_exports_and_keeps_target_frozen(tiny_salm_dir, tiny_target, batches, tmp_path, variant):
+    target_before = {k: v.clone() for k, v in tiny_target.state_dict().items()}
+    validated = _recipe(tiny_salm_dir, tmp_path, "trainer.max_steps=12", "trainer.val_check_interval=12", "dflash.lr=1e-2",
+                        "dflash.label_source=ground_truth",
+                        variant=variant)
+    summary = train(validated, _factory(batches))
+
+    assert summary.steps == 12
+    losses = _series(_csv_rows(tmp_path), "train/dflash_loss")
+    assert len(losses) == 12 and losses[-1] < 0.8 * losses[0], losses
+    assert summary.val_accept_len is not None and summary.val_accept_len >= 1.0
+    # target bit-identical, never in the checkpoint
+    assert all(torch.equal(v, target_before[k]) for k, v in tiny_target.state_dict().items())
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert ckpt["state_dict"] and all(k.startswith("core.draft_model.") for k in ckpt["state_dict"])
+    # export: vLLM names, no prefix, no embeddings / head, strict reload done by the recipe
+    export = summary.export_dir
+    assert export == tmp_path / "export"
+    config = json.loads((export / "config.json").read_text())
+    arch = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}[variant]
+    assert config["architectures"] == [arch] and config["model_type"] == "qwen3" and config["is_causal"] is False
+    assert config["hidden_size"] == 64 and config["num_hidden_layers"] == 2 and config["num_target_layers"] == 6
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3] and config["dflash_config"]["block_size"] == 4
+    assert config["dflash_config"]["mask_token_id"] == 320
+    assert "eagle_aux_hidden_state_layer_ids" not in config
+    weights = load_file(str(export / "model.safetensors"))
+    assert weights["fc.weight"].shape == (64, 128)
+    assert {"hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"} <= set(weights)
+    assert not any(k.startswith(("model.", "embed_tokens", "lm_head")) for k in weights)
+    trained = {k.removeprefix("core.draft_model."): v for k, v in ckpt["state_dict"].items()}
+    assert all(torch.equal(weights[k], trained[k]) for k in weights)
+
+
+def test_projection_only_trains_exactly_fc(tiny_salm_dir, batches, tmp_path):
+    first = train(_recipe(tiny_salm_dir, tmp_path / "base", "trainer.max_steps=2"), _factory(batches))
+    before = load_file(str(first.export_dir / "model.safetensors"))
+    validated = _recipe(
+        tiny_salm_dir, tmp_path / "proj", "dflash.projection_only=true",
+        f"dflash.init_from_pretrained={first.export_dir}", "trainer.max_steps=3",
+    )
+    summary = train(validated, _factory(batches))
+    after = load_file(str(summary.export_dir / "model.safetensors"))
+    changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    assert changed == ["fc.weight"]
+
+
+def test_warm_start_with_a_larger_block_keeps_every_weight(tiny_salm_dir, batches, tmp_path):
+    from dflash_train.draft import load_export
+
+    first = train(_recipe(tiny_salm_dir, tmp_path / "b4", "trainer.max_steps=2"), _factory(batches))
+    reloaded = load_export(first.export_dir, overrides={"block_size": 8})
+    assert reloaded.block_size == 8
+    on_disk = load_file(str(first.export_dir / "model.safetensors"))
+    state = reloaded.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in on_disk.items())
+    validated = _recipe(tiny_salm_dir, tmp_path / "b8", "dflash.block_size=8",
+                        f"dflash.init_from_pretrained={first.export_dir}", "trainer.max_steps=1")
+    summary = train(validated, _factory(batches))
+    assert json.loads((summary.export_dir / "config.json").read_text())["dflash_config"]["block_size"] == 8
+
+
+def test_warm_start_with_other_taps_is_a_config_error(tiny_salm_dir, batches, tmp_path):
+    first = train(_recipe(tiny_salm_dir, tmp_path / "a", "trainer.max_steps=1"), _factory(batches))
+    validated = _recipe(tiny_salm_dir, tmp_path / "b", "dflash.target_layer_ids=[2,4]",
+                        f"dflash.init_from_pretrained={first.export_dir}")
+    with pytest.raises(ConfigError, match=r"trained with target_layer_ids=\[1, 3\] but this run uses \[2, 4\]"):
+        train(validated, _factory(batches))
+
+
+def test_flex_attention_on_cpu_fails_at_start(tiny_salm_dir, batches, tmp_path):
+    validated = _recipe(tiny_salm_dir, tmp_path, "dflash.attention_backend=flex_attention")
+    with pytest.raises(ConfigError, match="flex_attention needs a GPU"):
+        train(validated, lambda run, target: pytest.fail("data built before the backend check"))
+
+
+def test_steps_without_anchor_are_skipped_but_counted(tiny_salm_dir, tiny_target, speech_batch, tmp_path):
+    good = chatml_speech_batch(tiny_target, speech_batch, TEXTS, repeat=2)
+    no_anchor = chatml_speech_batch(tiny_target, speech_batch, TEXTS)
+    no_anchor.loss_mask[:] = False
+    validated = _recipe(tiny_salm_dir, tmp_path, "trainer.max_steps=4", "trainer.val_check_interval=4")
+    summary = train(validated, lambda run, target: ListDataModule([good, no_anchor], [no_anchor]))
+    assert summary.steps == 4
+    rows = _csv_rows(tmp_path)
+    assert _series(rows, "train/dflash_skipped_step") == [0.0, 1.0, 0.0, 1.0]
+    assert max(_series(rows, "train/skipped/no_valid_anchor")) == 2.0
+    assert _series(rows, "val_acc") == [0.0]
+
+
+def test_target_argmax_labels_equal_full_logits_argmax(tiny_target, speech_batch):
+    from dflash_train.labels import target_argmax_labels
+
+    batch = chatml_speech_batch(tiny_target, speech_batch, TEXTS)
+    spliced = tiny_target.splice_batch(batch.input_ids, batch.lengths, batch.loss_mask, batch.audios,
+                                       batch.audio_lens, batch.audios_per_row, 320)
+    out = tiny_target.forward_taps(spliced.inputs_embeds, spliced.attention_mask, [1], return_last_hidden=True)
+    labels = target_argmax_labels(spliced.input_ids, spliced.loss_mask, out.last_hidden, tiny_target.lm_head,
+                                  chunk_rows=7)
+    with torch.no_grad():
+        full = tiny_target.lm_head(out.last_hidden).argmax(-1)
+    sup = spliced.loss_mask.clone()
+    assert int(sup.sum()) > 20
+    assert torch.equal(labels[:, 1:][sup[:, 1:]], full[:, :-1][sup[:, 1:]])
+    assert torch.equal(labels[~sup], spliced.input_ids[~sup])
+
+
+def test_skipped_steps_leave_weights_and_optimizer_untouched(tiny_salm_dir, tiny_target, speech_batch, tmp_path):
+    good = chatml_speech_batch(tiny_target, speech_batch, TEXTS, repeat=2)
+    no_anchor = chatml_speech_batch(tiny_target, speech_batch, TEXTS)
+    no_anchor.loss_mask[:] = False
+    one = train(_recipe(tiny_salm_dir, tmp_path / "one", "trainer.max_steps=1"),
+                lambda run, target: ListDataModule([good], [good]))
+    skipped = train(_recipe(tiny_salm_dir, tmp_path / "skip", "trainer.max_steps=3"),
+                    lambda run, target: ListDataModule([good, no_anchor, no_anchor], [good]))
+    assert skipped.steps == 3
+    a = load_file(str(one.export_dir / "model.safetensors"))
+    b = load_file(str(skipped.export_dir / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ckpt = torch.load(tmp_path / "skip" / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    steps = {float(s["step"]) for s in ckpt["optimizer_states"][0]["state"].values()}
+    assert ckpt["global_step"] == 3 and steps == {1.0}
