@@ -39,24 +39,49 @@ class ModelConfig:
 
 
 @dataclass
-class DatasetConfig:
-    """One training or validation data source and how it is batched."""
+class InputConfig:
+    """One data source in ``input_cfg`` (see docs/data.md for the record formats).
 
-    input_cfg: Any = MISSING
+    ``lhotse_as_conversation`` reads a lhotse CutSet (``cuts_path``) or a NeMo ASR manifest
+    (``manifest_filepath``) and turns every utterance into [system] [user: context]
+    [user: audio] [assistant: transcript]. ``multimodal_conversation`` reads multi-turn
+    conversation JSONL (``manifest_filepath``).
+    """
+
+    type: str = MISSING
+    cuts_path: Optional[str] = None
+    manifest_filepath: Optional[str] = None
+    weight: float = 1.0
+    name: Optional[str] = None
+    tags: dict = field(default_factory=dict)
+    assistant_turns: str = "all"
+
+
+@dataclass
+class DatasetConfig:
+    """The inputs of one split and how their samples are filtered and batched."""
+
+    input_cfg: list[InputConfig] = MISSING
     batch_size: Optional[int] = None
     batch_tokens: Optional[int] = None
+    measure_total_length: bool = True
     max_tokens: Optional[int] = None
     min_duration: Optional[float] = None
     max_duration: Optional[float] = None
     packing: bool = False
-    shuffle: bool = True
+    use_bucketing: bool = False
+    num_buckets: int = 10
+    bucket_bins: Optional[list[int]] = None
+    bucket_estimate_samples: int = 2000
+    bucket_buffer_size: int = 10000
+    shuffle: Optional[bool] = None
+    shuffle_buffer_size: int = 10000
     num_workers: int = 0
-    seed: int = 0
 
 
 @dataclass
 class DataConfig:
-    """Speech conversation data: prompt format and train/validation sources."""
+    """Speech conversation data: prompt format, training inputs and named validation sets."""
 
     prompt_format: str = "qwen"
     system_prompt: Optional[str] = None
@@ -91,12 +116,14 @@ class ExpManagerConfig:
     exp_dir: str = "outputs"
     name: str = "dflash"
     version: Optional[str] = None
+    explicit_log_dir: Optional[str] = None
     resume_if_exists: bool = True
     resume_ignore_no_checkpoint: bool = True
     checkpoint_monitor: str = "val_acc"
     checkpoint_mode: str = "max"
     save_top_k: int = 1
     save_last: bool = True
+    checkpoint_every_n_steps: Optional[int] = None
     create_tensorboard_logger: bool = True
     create_csv_logger: bool = True
 
@@ -115,6 +142,7 @@ class DFlashConfig:
     target_layer_ids: Optional[list[int]] = None
     mask_token_id: Optional[int] = None
     init_from_pretrained: Optional[str] = None
+    output_dir: str = "export"
     lr: float = 6.0e-4
     weight_decay: float = 0.0
     optimizer: Optional[dict] = None

@@ -1,0 +1,96 @@
+"""Batches of examples -> :class:`SpeechBatch`: audio loading, right padding or packing."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from dflash_train.data.batch import SpeechBatch
+from dflash_train.data.conversation import DataError
+from dflash_train.data.examples import Example
+
+
+def load_audio(example: Example) -> list[torch.Tensor]:
+    """The example's audio segments as mono float32 tensors of exactly the expected sample counts."""
+    waves = []
+    for cut in example.audio:
+        try:
+            samples = cut.load_audio()
+        except Exception as err:  # a decoder failure after the header check: name the sample, stop
+            raise DataError(f"sample '{example.id}': cannot load audio {cut.id} ({type(err).__name__}: {err})") from None
+        mono = samples.mean(axis=0) if samples.ndim == 2 else samples
+        if mono.shape[0] != cut.num_samples:
+            raise DataError(
+                f"sample '{example.id}': audio {cut.id} loaded {mono.shape[0]} samples, expected {cut.num_samples}"
+            )
+        waves.append(torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32)))
+    return waves
+
+
+def _stack_audio(waves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    lens = torch.tensor([w.shape[0] for w in waves], dtype=torch.long)
+    audios = torch.zeros(len(waves), int(lens.max()) if len(waves) else 0, dtype=torch.float32)
+    for i, wave in enumerate(waves):
+        audios[i, : wave.shape[0]] = wave
+    return audios, lens
+
+
+def collate_padded(examples: Sequence[Example], pad_id: int, dataset_name: str) -> SpeechBatch:
+    """One row per example, right-padded with ``pad_id`` (padding sits after every real token)."""
+    lengths = torch.tensor([len(ex.input_ids) for ex in examples], dtype=torch.long)
+    width = int(lengths.max())
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(examples), width, dtype=torch.bool)
+    for row, ex in enumerate(examples):
+        input_ids[row, : len(ex.input_ids)] = torch.from_numpy(ex.input_ids.astype(np.int64))
+        loss_mask[row, : len(ex.loss_mask)] = torch.from_numpy(ex.loss_mask)
+    audios, audio_lens = _stack_audio([wave for ex in examples for wave in load_audio(ex)])
+    return SpeechBatch(
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        lengths=lengths,
+        audios=audios,
+        audio_lens=audio_lens,
+        audios_per_row=[len(ex.audio) for ex in examples],
+        sample_ids=[ex.id for ex in examples],
+        dataset_name=dataset_name,
+    )
+
+
+def collate_packed(examples: Sequence[Example], dataset_name: str) -> SpeechBatch:
+    """All examples concatenated into one row; ``document_ids`` holds each token's example index."""
+    ids = np.concatenate([ex.input_ids for ex in examples]).astype(np.int64)
+    mask = np.concatenate([ex.loss_mask for ex in examples])
+    docs = np.concatenate([np.full(len(ex.input_ids), i, dtype=np.int64) for i, ex in enumerate(examples)])
+    audios, audio_lens = _stack_audio([wave for ex in examples for wave in load_audio(ex)])
+    return SpeechBatch(
+        input_ids=torch.from_numpy(ids)[None],
+        loss_mask=torch.from_numpy(mask)[None],
+        lengths=torch.tensor([len(ids)], dtype=torch.long),
+        audios=audios,
+        audio_lens=audio_lens,
+        audios_per_row=[sum(len(ex.audio) for ex in examples)],
+        sample_ids=["+".join(ex.id for ex in examples)],
+        document_ids=torch.from_numpy(docs)[None],
+        dataset_name=dataset_name,
+    )
+
+
+class SpeechDataset(torch.utils.data.Dataset):
+    """Map-style dataset for lhotse samplers: the sampler yields a batch of examples, this collates it.
+
+    Runs in DataLoader workers, so audio decoding happens off the training process.
+    """
+
+    def __init__(self, pad_id: int, packed: bool, dataset_name: str):
+        self.pad_id = pad_id
+        self.packed = packed
+        self.dataset_name = dataset_name
+
+    def __getitem__(self, examples) -> SpeechBatch:
+        examples = list(examples)
+        if self.packed:
+            return collate_packed(examples, self.dataset_name)
+        return collate_padded(examples, self.pad_id, self.dataset_name)

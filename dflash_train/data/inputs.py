@@ -1,0 +1,278 @@
+"""Readers of the supported input formats; each record becomes a :class:`Conversation`.
+
+Every input is a re-iterable stream of raw records plus a function turning one record
+into a conversation. Conversion checks what can be checked without decoding audio (the
+file exists, its header opens, the segment lies inside it and is not empty, the text to
+supervise is not empty) and raises :class:`SampleSkipped` otherwise. A record whose
+structure is wrong raises :class:`DataError` naming the file and line.
+
+Formats (docs/data.md has examples):
+
+- ``lhotse_as_conversation`` + ``cuts_path``: a lhotse CutSet; the cut's offset and
+  duration select the audio, ``supervisions[0].text`` is the reply.
+- ``lhotse_as_conversation`` + ``manifest_filepath``: a NeMo ASR manifest
+  (``audio_filepath``, ``duration``, ``text``, optional ``offset``, ``context``).
+- ``multimodal_conversation`` + ``manifest_filepath``: NeMo's conversation JSONL
+  (``id``, ``conversations: [{from, type: text|audio, value, duration, offset}]``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+from lhotse import CutSet, Recording
+from lhotse.cut import Cut, MixedCut
+
+from dflash_train.config.schema import InputConfig
+from dflash_train.data.conversation import ROLES, Conversation, DataError, SampleSkipped, Turn
+
+CONTEXT_TAG = "context"
+SYSTEM_PROMPT_TAG = "system_prompt"
+TAG_KEYS = (CONTEXT_TAG, SYSTEM_PROMPT_TAG)
+INPUT_TYPES = ("lhotse_as_conversation", "multimodal_conversation")
+
+
+@dataclass
+class Input:
+    """One configured input: its records and the conversion of a record into a conversation."""
+
+    name: str
+    weight: float
+    records: Iterable[Any]
+    convert: Callable[[Any], Conversation]
+
+
+def input_path(cfg: InputConfig) -> str:
+    """The file an input reads (``cuts_path`` or ``manifest_filepath``)."""
+    return cfg.cuts_path if cfg.cuts_path is not None else cfg.manifest_filepath
+
+
+def input_name(cfg: InputConfig) -> str:
+    """``cfg.name``, else the file name without its JSONL/JSON/GZ suffixes."""
+    if cfg.name:
+        return cfg.name
+    name = Path(input_path(cfg)).name
+    for suffix in (".gz", ".jsonl", ".json"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def open_input(cfg: InputConfig, system_prompt: Optional[str], sampling_rate: int) -> Input:
+    """Open one ``input_cfg`` entry lazily (nothing is read until iteration)."""
+    tags = dict(cfg.tags or {})
+    defaults = _Defaults(
+        context=tags.get(CONTEXT_TAG),
+        system_prompt=tags.get(SYSTEM_PROMPT_TAG, system_prompt),
+        sampling_rate=sampling_rate,
+    )
+    path = input_path(cfg)
+    if cfg.type == "lhotse_as_conversation" and cfg.cuts_path is not None:
+        return Input(input_name(cfg), cfg.weight, CutSet.from_file(path), defaults.cut_to_conversation)
+    records = JsonlRecords(path)
+    if cfg.type == "lhotse_as_conversation":
+        return Input(input_name(cfg), cfg.weight, records, defaults.nemo_entry_to_conversation)
+    supervise_last_only = cfg.assistant_turns == "last"
+    return Input(
+        input_name(cfg),
+        cfg.weight,
+        records,
+        lambda record: defaults.conversation_record_to_conversation(record, supervise_last_only),
+    )
+
+
+@dataclass(frozen=True)
+class JsonRecord:
+    """One parsed JSONL line and where it came from (for error messages and default ids)."""
+
+    path: str
+    line: int
+    data: dict
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+    def require(self, key: str) -> Any:
+        """``data[key]``, or a :class:`DataError` naming the file, line and key."""
+        if key not in self.data:
+            raise DataError(f"{self.where}: record has no '{key}' key")
+        return self.data[key]
+
+
+class JsonlRecords:
+    """Re-iterable JSONL (optionally gzipped) reader yielding :class:`JsonRecord` objects."""
+
+    def __init__(self, path: str):
+        self.path = str(path)
+
+    def __iter__(self) -> Iterator[JsonRecord]:
+        opener = gzip.open if self.path.endswith(".gz") else open
+        with opener(self.path, "rt", encoding="utf-8") as handle:
+            for line_no, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    data = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{self.path}:{line_no}: not valid JSON ({err.msg})") from None
+                if not isinstance(data, dict):
+                    raise DataError(f"{self.path}:{line_no}: expected a JSON object per line")
+                yield JsonRecord(self.path, line_no, data)
+
+
+@dataclass(frozen=True)
+class _Defaults:
+    """Per-input defaults applied while converting records."""
+
+    context: Optional[str]
+    system_prompt: Optional[str]
+    sampling_rate: int
+
+    def _head_turns(self, system_prompt: Optional[str], context: Optional[str]) -> list[Turn]:
+        turns = []
+        if system_prompt:
+            turns.append(Turn("system", text=system_prompt))
+        if context:
+            turns.append(Turn("user", text=context))
+        return turns
+
+    def cut_to_conversation(self, cut: Cut) -> Conversation:
+        """[system] [user: context] [user: audio] [assistant: ``supervisions[0].text``]."""
+        if not cut.supervisions:
+            raise SampleSkipped("no_supervision", f"cut '{cut.id}' has no supervision")
+        reply = _reply_text(cut.supervisions[0].text, cut.id)
+        audio = checked_audio(cut, cut.id, self.sampling_rate)
+        custom = cut.custom or {}
+        turns = self._head_turns(
+            custom.get(SYSTEM_PROMPT_TAG, self.system_prompt), custom.get(CONTEXT_TAG, self.context)
+        )
+        turns += [Turn("user", audio=audio), Turn("assistant", text=reply, supervised=True)]
+        return Conversation(cut.id, turns)
+
+    def nemo_entry_to_conversation(self, record: JsonRecord) -> Conversation:
+        """A NeMo ASR manifest line, converted like a cut (``offset`` and ``duration`` select the audio)."""
+        sample_id = f"{Path(record.path).name}:{record.line}"
+        audio_path = record.require("audio_filepath")
+        duration = float(record.require("duration"))
+        reply = _reply_text(record.require("text"), sample_id)
+        audio = _segment(record, audio_path, record.data.get("offset", 0.0), duration, sample_id, self.sampling_rate)
+        turns = self._head_turns(
+            record.data.get(SYSTEM_PROMPT_TAG, self.system_prompt), record.data.get(CONTEXT_TAG, self.context)
+        )
+        turns += [Turn("user", audio=audio), Turn("assistant", text=reply, supervised=True)]
+        return Conversation(sample_id, turns)
+
+    def conversation_record_to_conversation(self, record: JsonRecord, supervise_last_only: bool) -> Conversation:
+        """A multi-turn conversation; assistant turns are supervised (all, or only the last one)."""
+        sample_id = str(record.data.get("id", f"{Path(record.path).name}:{record.line}"))
+        raw_turns = record.require("conversations")
+        if not isinstance(raw_turns, list):
+            raise DataError(f"{record.where}: 'conversations' must be a list of turns")
+        turns = [self._turn(record, raw, index, sample_id) for index, raw in enumerate(raw_turns)]
+        assistant = [i for i, turn in enumerate(turns) if turn.role == "assistant" and turn.text is not None]
+        chosen = assistant[-1:] if supervise_last_only else assistant
+        if not chosen:
+            raise SampleSkipped("no_supervised_turn", f"conversation '{sample_id}' has no assistant text turn")
+        for i in chosen:
+            turns[i].supervised = True
+            turns[i].text = _reply_text(turns[i].text, sample_id)
+        turns = turns[: chosen[-1] + 1]  # turns after the last supervised reply teach nothing
+        if self.context and turns[0].role == "user" and turns[0].audio is not None:
+            turns.insert(0, Turn("user", text=self.context))
+        if self.system_prompt and turns[0].role != "system":
+            turns.insert(0, Turn("system", text=self.system_prompt))
+        return Conversation(sample_id, turns)
+
+    def _turn(self, record: JsonRecord, raw: Any, index: int, sample_id: str) -> Turn:
+        where = f"{record.where}: turn {index}"
+        if not isinstance(raw, dict) or not {"from", "type", "value"} <= raw.keys():
+            raise DataError(f"{where}: a turn needs 'from', 'type' and 'value'")
+        role = str(raw["from"]).lower()
+        if role not in ROLES:
+            raise DataError(f"{where}: unknown role from='{raw['from']}' (expected User, Assistant or System)")
+        if raw["type"] == "text":
+            return Turn(role, text=str(raw["value"]))
+        if raw["type"] != "audio":
+            raise DataError(f"{where}: unknown type='{raw['type']}' (expected text or audio)")
+        duration = raw.get("duration")
+        audio = _segment(record, raw["value"], raw.get("offset", 0.0), duration, sample_id, self.sampling_rate)
+        return Turn(role, audio=audio)
+
+
+def _reply_text(text: Optional[str], sample_id: str) -> str:
+    if text is None or not str(text).strip():
+        raise SampleSkipped("empty_transcript", f"sample '{sample_id}' has an empty reply")
+    return str(text)
+
+
+def resolve_audio_path(path: str, manifest_path: str) -> Path:
+    """A manifest's relative audio path: next to the manifest if it exists there, else as given."""
+    candidate = Path(path)
+    if candidate.is_absolute():
+        return candidate
+    beside = Path(manifest_path).parent / candidate
+    return beside if beside.exists() else candidate
+
+
+def _open_recording(path: Path, sample_id: str) -> Recording:
+    if not path.is_file():
+        raise SampleSkipped("missing_audio", f"sample '{sample_id}': {path} does not exist")
+    try:
+        return Recording.from_file(str(path))
+    except Exception as err:  # any decoder failure means the same thing here
+        raise SampleSkipped("unreadable_audio", f"sample '{sample_id}': cannot open {path} ({type(err).__name__})")
+
+
+def _segment(
+    record: JsonRecord, audio_path: str, offset: float, duration: Optional[float], sample_id: str, sampling_rate: int
+) -> Cut:
+    """The ``[offset, offset + duration)`` segment of a manifest's audio file as a checked cut."""
+    recording = _open_recording(resolve_audio_path(str(audio_path), record.path), sample_id)
+    offset = float(offset or 0.0)
+    duration = recording.duration - offset if duration is None else float(duration)
+    if duration <= 0 or recording.num_samples == 0:
+        raise SampleSkipped("empty_audio", f"sample '{sample_id}': {audio_path} segment has zero length")
+    _check_range(offset + duration, recording.duration, sample_id, audio_path)
+    cut = recording.to_cut().truncate(offset=offset, duration=duration, preserve_id=True)
+    return _at_rate(cut.with_id(sample_id), sampling_rate)
+
+
+def _check_range(end: float, file_duration: float, sample_id: str, path: Any) -> None:
+    from lhotse.audio.utils import get_audio_duration_mismatch_tolerance
+
+    if end > file_duration + get_audio_duration_mismatch_tolerance():
+        raise SampleSkipped(
+            "audio_out_of_range",
+            f"sample '{sample_id}': segment ends at {end:.3f}s but {path} lasts {file_duration:.3f}s",
+        )
+
+
+def _at_rate(cut: Cut, sampling_rate: int) -> Cut:
+    return cut if cut.sampling_rate == sampling_rate else cut.resample(sampling_rate)
+
+
+def checked_audio(cut: Cut, sample_id: str, sampling_rate: int) -> Cut:
+    """``cut`` at the target's sampling rate, after checking every audio file behind it.
+
+    Raises :class:`SampleSkipped` when a file is missing or unreadable, when the segment is
+    empty, or when it runs past the end of its file.
+    """
+    if cut.duration <= 0:
+        raise SampleSkipped("empty_audio", f"sample '{sample_id}' has a zero-length audio segment")
+    parts = [track.cut for track in cut.tracks] if isinstance(cut, MixedCut) else [cut]
+    recorded = [part for part in parts if getattr(part, "has_recording", False)]
+    if not recorded:
+        raise SampleSkipped("missing_audio", f"sample '{sample_id}' has no recording")
+    for part in recorded:
+        for source in part.recording.sources:
+            if source.type != "file":
+                continue
+            on_disk = _open_recording(Path(source.source), sample_id)
+            if on_disk.num_samples == 0:
+                raise SampleSkipped("empty_audio", f"sample '{sample_id}': {source.source} has no samples")
+            _check_range(part.start + part.duration, on_disk.duration, sample_id, source.source)
+    return _at_rate(cut, sampling_rate)

@@ -1,0 +1,131 @@
+"""The Lightning datamodule: configured inputs -> blended, filtered, budgeted ``SpeechBatch`` loaders."""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+import lightning as L
+import torch
+from lhotse.lazy import LazyIteratorChain, LazyIteratorMultiplexer, LazyRepeater
+from torch.utils.data import DataLoader
+
+from dflash_train.config.schema import DataConfig, DatasetConfig, InputConfig
+from dflash_train.data.collate import SpeechDataset
+from dflash_train.data.conversation import DataError
+from dflash_train.data.estimator import AudioTokenEstimator
+from dflash_train.data.examples import Example, ExampleStream, Filters, Preparer, SkipCounter
+from dflash_train.data.inputs import input_name, input_path, open_input
+from dflash_train.data.prompt import build_prompt_format
+from dflash_train.data.sampling import build_sampler, token_cap
+from dflash_train.data.validate import check_data_rules
+
+log = logging.getLogger(__name__)
+
+TRAIN_NAME = "train"
+
+
+def _topology(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if rank is None:
+        rank = torch.distributed.get_rank() if initialized else 0
+    if world_size is None:
+        world_size = torch.distributed.get_world_size() if initialized else 1
+    return rank, world_size
+
+
+class SpeechDataModule(L.LightningDataModule):
+    """Training and named validation loaders of :class:`~dflash_train.data.batch.SpeechBatch`.
+
+    Training blends its inputs by weight into an endless stream (each input repeats), shuffles
+    it, filters it and batches it by token budget or batch size; validation sets are read once
+    per validation run, in order. Every rank builds the same stream from ``seed`` and lhotse
+    gives rank *r* every ``world_size``-th batch, so data-parallel ranks see disjoint samples.
+    Samples dropped on the way are counted by reason (:meth:`skip_counts`).
+    """
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer,
+        audio_locator_tag: str,
+        estimator: AudioTokenEstimator,
+        seed: int,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+    ):
+        super().__init__()
+        from nemo.collections.speechlm2.data.utils import get_pad_id  # the pad id SALM itself uses
+
+        check_data_rules(cfg)
+        self.cfg = cfg
+        self.prompt_format = build_prompt_format(cfg.prompt_format, tokenizer, audio_locator_tag)
+        self.estimator = estimator
+        self.pad_id = int(get_pad_id(tokenizer))
+        self.seed = seed
+        self.rank, self.world_size = _topology(rank, world_size)
+        self.skips = SkipCounter(self.rank, self.world_size)
+        self._val_sets = self._group_validation_inputs()
+        self.val_names: list[str] = list(self._val_sets)
+        self._val_streams: dict[str, Iterable[Example]] = {}
+
+    def _group_validation_inputs(self) -> dict[str, list[InputConfig]]:
+        groups: dict[str, list[InputConfig]] = {}
+        if self.cfg.validation_ds is not None:
+            for inp in self.cfg.validation_ds.input_cfg:
+                groups.setdefault(input_name(inp), []).append(inp)
+        return groups
+
+    def _streams(self, inputs: list[InputConfig], ds: DatasetConfig) -> list[ExampleStream]:
+        prepare = Preparer(
+            self.prompt_format, self.estimator, Filters(ds.min_duration, ds.max_duration, token_cap(ds))
+        )
+        return [
+            ExampleStream(open_input(inp, self.cfg.system_prompt, self.estimator.sampling_rate), prepare, self.skips)
+            for inp in inputs
+        ]
+
+    def train_examples(self) -> Iterable[Example]:
+        """The endless training stream: every input repeated, blended by weight (seeded)."""
+        streams = self._streams(self.cfg.train_ds.input_cfg, self.cfg.train_ds)
+        repeated = [LazyRepeater(stream, preserve_id=True) for stream in streams]
+        if len(repeated) == 1:
+            return repeated[0]
+        return LazyIteratorMultiplexer(*repeated, weights=[s.source.weight for s in streams], seed=self.seed)
+
+    def validation_examples(self, name: str) -> Iterable[Example]:
+        """Validation set ``name``: its inputs once, in order (the same stream object across runs)."""
+        if name not in self._val_streams:
+            streams = self._streams(self._val_sets[name], self.cfg.validation_ds)
+            self._val_streams[name] = streams[0] if len(streams) == 1 else LazyIteratorChain(*streams)
+        return self._val_streams[name]
+
+    def _loader(self, examples: Iterable[Example], ds: DatasetConfig, shuffle: bool, name: str) -> DataLoader:
+        sampler = build_sampler(examples, ds, shuffle, self.seed, self.rank, self.world_size)
+        return DataLoader(
+            SpeechDataset(self.pad_id, ds.packing, name),
+            sampler=sampler,
+            batch_size=None,
+            num_workers=ds.num_workers,
+            persistent_workers=ds.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Endless training batches (``dataset_name='train'``); fails if no input yields a usable sample."""
+        ds = self.cfg.train_ds
+        examples = self.train_examples()
+        if next(iter(examples), None) is None:
+            paths = ", ".join(input_path(inp) for inp in ds.input_cfg)
+            raise DataError(f"data.train_ds has no usable sample in {paths}; skipped: {self.skip_counts()}")
+        shuffle = True if ds.shuffle is None else ds.shuffle
+        return self._loader(examples, ds, shuffle, TRAIN_NAME)
+
+    def val_dataloader(self) -> list[DataLoader]:
+        """One finite loader per validation set, in :attr:`val_names` order (``dataset_name`` = its name)."""
+        ds = self.cfg.validation_ds
+        shuffle = False if ds is None or ds.shuffle is None else ds.shuffle
+        return [self._loader(self.validation_examples(name), ds, shuffle, name) for name in self.val_names]
+
+    def skip_counts(self) -> dict[str, int]:
+        """Skipped samples by reason, this rank's share (sum over ranks for the total)."""
+        return dict(sorted(self.skips.counts.items()))

@@ -1,0 +1,107 @@
+"""Start-up checks of the ``data`` config: cross-field rules, then every dataset path exists.
+
+Each failure is a one-line :class:`ConfigError` naming the key (and the path).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_train.config.schema import DataConfig, DatasetConfig, InputConfig
+from dflash_train.data.inputs import INPUT_TYPES, TAG_KEYS, input_path
+from dflash_train.data.prompt import PROMPT_FORMATS
+from dflash_train.errors import ConfigError
+
+ASSISTANT_TURNS = ("all", "last")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _check_input(inp: InputConfig, key: str) -> None:
+    _require(inp.type in INPUT_TYPES, f"{key}.type='{inp.type}' is unknown; choose one of {list(INPUT_TYPES)}")
+    if inp.type == "lhotse_as_conversation":
+        _require(
+            (inp.cuts_path is None) != (inp.manifest_filepath is None),
+            f"{key}: type lhotse_as_conversation needs exactly one of cuts_path (lhotse cuts) and "
+            "manifest_filepath (NeMo manifest)",
+        )
+    else:
+        _require(
+            inp.manifest_filepath is not None and inp.cuts_path is None,
+            f"{key}: type multimodal_conversation reads manifest_filepath (conversation JSONL); cuts_path is not used",
+        )
+    _require(inp.weight > 0, f"{key}.weight={inp.weight} must be > 0")
+    unknown = sorted(set(inp.tags or {}) - set(TAG_KEYS))
+    _require(not unknown, f"{key}.tags.{unknown[0] if unknown else ''} is unknown; tags are {list(TAG_KEYS)}")
+    _require(
+        inp.assistant_turns in ASSISTANT_TURNS,
+        f"{key}.assistant_turns='{inp.assistant_turns}' is unknown; choose one of {list(ASSISTANT_TURNS)}",
+    )
+    _require(
+        inp.assistant_turns == "all" or inp.type == "multimodal_conversation",
+        f"{key}.assistant_turns applies to type multimodal_conversation only",
+    )
+
+
+def _check_split(ds: DatasetConfig, key: str) -> None:
+    _require(len(ds.input_cfg) > 0, f"{key}.input_cfg is empty; list at least one input")
+    for i, inp in enumerate(ds.input_cfg):
+        _check_input(inp, f"{key}.input_cfg[{i}]")
+    _require(
+        ds.batch_size is not None or ds.batch_tokens is not None,
+        f"{key}: set batch_tokens (token budget) or batch_size (samples per batch)",
+    )
+    for name in ("batch_size", "batch_tokens", "max_tokens", "num_buckets", "bucket_estimate_samples",
+                 "bucket_buffer_size", "shuffle_buffer_size"):
+        value = getattr(ds, name)
+        _require(value is None or value >= 1, f"{key}.{name}={value} must be >= 1")
+    _require(ds.num_workers >= 0, f"{key}.num_workers={ds.num_workers} must be >= 0")
+    if ds.packing:
+        _require(ds.batch_tokens is not None, f"{key}.packing=true needs batch_tokens (the packed row length)")
+        _require(ds.measure_total_length, f"{key}.packing=true needs measure_total_length=true (rows hold whole sequences)")
+    if ds.batch_tokens is not None and ds.max_tokens is not None:
+        _require(
+            ds.max_tokens <= ds.batch_tokens,
+            f"{key}.max_tokens={ds.max_tokens} exceeds batch_tokens={ds.batch_tokens}; such samples never fit a batch",
+        )
+    for name in ("min_duration", "max_duration"):
+        value = getattr(ds, name)
+        _require(value is None or value >= 0, f"{key}.{name}={value} must be >= 0")
+    if ds.min_duration is not None and ds.max_duration is not None:
+        _require(
+            ds.min_duration <= ds.max_duration,
+            f"{key}.min_duration={ds.min_duration} is above max_duration={ds.max_duration}",
+        )
+    if ds.bucket_bins is not None:
+        bins = list(ds.bucket_bins)
+        _require(
+            len(bins) > 0 and bins == sorted(set(bins)) and bins[0] >= 1,
+            f"{key}.bucket_bins={bins} must be distinct ascending token counts >= 1",
+        )
+
+
+def check_data_rules(cfg: DataConfig) -> None:
+    """Cross-field rules of the ``data`` section (no file system access)."""
+    _require(
+        cfg.prompt_format in PROMPT_FORMATS,
+        f"data.prompt_format='{cfg.prompt_format}' is unknown; choose one of {sorted(PROMPT_FORMATS)}",
+    )
+    _check_split(cfg.train_ds, "data.train_ds")
+    if cfg.validation_ds is not None:
+        _check_split(cfg.validation_ds, "data.validation_ds")
+
+
+def validate_data_config(cfg: DataConfig) -> None:
+    """Start-up check before any model is built: the rules, then every input path exists."""
+    check_data_rules(cfg)
+    splits = [("data.train_ds", cfg.train_ds)]
+    if cfg.validation_ds is not None:
+        splits.append(("data.validation_ds", cfg.validation_ds))
+    for key, ds in splits:
+        for i, inp in enumerate(ds.input_cfg):
+            path = input_path(inp)
+            field = "cuts_path" if inp.cuts_path is not None else "manifest_filepath"
+            _require(Path(path).is_file(), f"{key}.input_cfg[{i}].{field}='{path}' does not exist")
