@@ -105,3 +105,19 @@ def chatml_speech_batch(target, speech_batch, texts: list[str], repeat: int = 1)
         audios_per_row=[1] * n,
         sample_ids=[f"row-{i}" for i in range(n)],
     )
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> tuple[Path, Path]:
+    """A small synthesized demo dataset: ``(train_cuts, val_cuts)`` lhotse manifests of real espeak-ng speech."""
+    from dflash_train.data.demo_data import write_demo_data
+
+    return write_demo_data(tmp_path_factory.mktemp("demo_data"), count=24, val_count=4, jobs=2)
+
+
+@pytest.fixture(scope="session")
+def audio_estimator(tiny_target):
+    """The exact audio token estimator of the tiny SALM target."""
+    from dflash_train.data.estimator import AudioTokenEstimator
+
+    return AudioTokenEstimator.from_target(tiny_target)
