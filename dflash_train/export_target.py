@@ -1,0 +1,145 @@
+"""``dflash-export-target``: write a SALM checkpoint as a directory vLLM serves with our plugin.
+
+vLLM reads a SALM target through NeMo's ``NeMoSpeechLMConfig`` and our plugin's model class.
+That needs, in one directory:
+
+    config.json               NeMo's SALM config with architectures=[SALM_ARCHITECTURE],
+                              pretrained_llm / tokenizer_path as absolute paths into this dir
+    model.safetensors         the SALM weights, unchanged
+    tokenizer*.json ...       the LLM tokenizer, with the audio locator tag as a token
+    llm_backbone/config.json  the LLM backbone's HF config, naming its causal-LM architecture
+
+NeMo's vLLM config also insists on a ``pretrained_asr`` name; a checkpoint built without one
+(random-init perception, e.g. the demo's tiny target) gets :data:`EMBEDDED_ASR`: with
+``pretrained_weights=false`` neither NeMo nor vLLM reads it, the perception weights being in
+``model.safetensors``.
+
+NeMo's own loader finds the tokenizer and ``llm_backbone/`` beside ``config.json``, but
+NeMo's vLLM config opens ``pretrained_llm`` as written (relative paths resolve against the
+server's working directory), hence absolute paths. After moving the directory, run the
+command on it again in place (``dflash-export-target DIR DIR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from dflash_train.vllm_plugin import SALM_ARCHITECTURE
+
+AUDIO_LOCATOR_TAG = "<|audio|>"  # the only tag NeMo 3.0.0's vLLM plugin serves
+LLM_BACKBONE_DIR = "llm_backbone"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+EMBEDDED_ASR = "(perception weights in model.safetensors)"
+
+
+class TargetExportError(RuntimeError):
+    """The source checkpoint cannot be made into a vLLM-ready SALM directory."""
+
+
+def _resolve(src: Path, reference: str | None) -> str | None:
+    """A path written in a SALM config: relative to the checkpoint if it exists there, else as written."""
+    if not reference:
+        return None
+    beside = src / reference
+    return str(beside.resolve()) if beside.exists() else reference
+
+
+def _backbone_source(src: Path, cfg: dict) -> str:
+    if (src / LLM_BACKBONE_DIR / CONFIG_FILE).exists():
+        return str(src / LLM_BACKBONE_DIR)
+    source = _resolve(src, cfg.get("pretrained_llm"))
+    if source is None:
+        raise TargetExportError(f"'{src}/{CONFIG_FILE}' names no pretrained_llm and has no {LLM_BACKBONE_DIR}/")
+    return source
+
+
+def _tokenizer_source(src: Path, cfg: dict) -> str:
+    if (src / "tokenizer_config.json").exists():
+        return str(src)
+    return _resolve(src, cfg.get("tokenizer_path")) or _backbone_source(src, cfg)
+
+
+def _causal_lm_architecture(model_type: str) -> str:
+    """The HF causal-LM class for a backbone config that names none (vLLM picks its class by this name)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise TargetExportError(f"the LLM backbone config (model_type {model_type!r}) names no architectures")
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+
+
+def export_target(src: str | Path, out: str | Path) -> Path:
+    """Write the vLLM-ready SALM directory ``out`` from the SALM checkpoint ``src`` (may be the same dir)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    src, out = Path(src).resolve(), Path(out).resolve()
+    if not (src / CONFIG_FILE).exists() or not (src / WEIGHTS_FILE).exists():
+        raise TargetExportError(f"'{src}' is not a SALM checkpoint: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+    cfg = json.loads((src / CONFIG_FILE).read_text())
+    if cfg.get("audio_locator_tag") != AUDIO_LOCATOR_TAG:
+        raise TargetExportError(
+            f"'{src}' uses audio_locator_tag={cfg.get('audio_locator_tag')!r}; vLLM's NeMo SALM support "
+            f"serves only {AUDIO_LOCATOR_TAG!r}"
+        )
+    try:
+        backbone = AutoConfig.from_pretrained(_backbone_source(src, cfg))
+        tokenizer = AutoTokenizer.from_pretrained(_tokenizer_source(src, cfg))
+    except OSError as err:
+        raise TargetExportError(f"cannot read the LLM backbone config or tokenizer of '{src}': {err}") from None
+    if not backbone.architectures:
+        backbone.architectures = [_causal_lm_architecture(backbone.model_type)]
+    if AUDIO_LOCATOR_TAG not in tokenizer.get_vocab():
+        # SALM adds the tag at construction; store it so vLLM's token ids match NeMo's.
+        tokenizer.add_special_tokens(
+            {"additional_special_tokens": [AUDIO_LOCATOR_TAG]}, replace_additional_special_tokens=False
+        )
+
+    out.mkdir(parents=True, exist_ok=True)
+    if out != src:
+        shutil.copyfile(src / WEIGHTS_FILE, out / WEIGHTS_FILE)
+    backbone.save_pretrained(out / LLM_BACKBONE_DIR)
+    tokenizer.save_pretrained(out)
+    cfg.update(
+        architectures=[SALM_ARCHITECTURE],
+        model_type="nemo_speechlm",
+        pretrained_llm=str(out / LLM_BACKBONE_DIR),
+        tokenizer_path=str(out),
+        pretrained_asr=cfg.get("pretrained_asr") or EMBEDDED_ASR,
+        pretrained_weights=False,
+    )
+    (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def serve_command(target: str | Path, draft: str | Path, num_speculative_tokens: int) -> str:
+    """The ``vllm serve`` line for ``target`` with the draft export ``draft`` (K = block_size - 1)."""
+    spec = json.dumps({"method": "dflash", "model": str(draft), "num_speculative_tokens": num_speculative_tokens})
+    return f"vllm serve {target} --trust-remote-code --speculative-config '{spec}'"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="dflash-export-target", description=__doc__.splitlines()[0])
+    parser.add_argument("source", help="SALM checkpoint directory (SALM.save_pretrained layout)")
+    parser.add_argument("out", help="directory to write (may equal source: rewrite in place)")
+    parser.add_argument("--draft", help="a draft export: also print the vllm serve command for both")
+    args = parser.parse_args(argv)
+    try:
+        out = export_target(args.source, args.out)
+    except TargetExportError as err:
+        print(f"dflash-export-target: error: {err}", file=sys.stderr)
+        return 1
+    print(f"dflash-export-target: wrote {out}")
+    if args.draft:
+        block_size = json.loads((Path(args.draft) / CONFIG_FILE).read_text())["dflash_config"]["block_size"]
+        print(serve_command(out, Path(args.draft).resolve(), block_size - 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
