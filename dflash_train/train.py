@@ -7,6 +7,7 @@ token, attention backend) runs before the target's weights load or a process gro
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -64,7 +65,25 @@ def resolve_attention_backend(requested: Optional[str], accelerator: str) -> str
     return requested
 
 
-def build_strategy(run: RunConfig, accelerator: str):
+def data_parallel_size(run: RunConfig, trainer_kwargs: dict) -> int:
+    """All processes are data parallel: ``dp_size``, else the launcher's world size, else devices × nodes."""
+    if run.trainer.strategy.dp_size:
+        return run.trainer.strategy.dp_size
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    devices, nodes = trainer_kwargs.get("devices", "auto"), int(trainer_kwargs.get("num_nodes", 1))
+    if isinstance(devices, int):
+        return devices * nodes
+    if isinstance(devices, (list, tuple)):
+        return len(devices) * nodes
+    if devices == "auto" and not torch.cuda.is_available():
+        return nodes
+    if devices == "auto":
+        return torch.cuda.device_count() * nodes
+    raise ConfigError(f"cannot infer the data-parallel size from trainer.devices={devices}; set trainer.strategy.dp_size")
+
+
+def build_strategy(run: RunConfig, accelerator: str, trainer_kwargs: dict):
     """Lightning strategy for ``trainer.strategy.name``."""
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
@@ -74,7 +93,7 @@ def build_strategy(run: RunConfig, accelerator: str):
         return DDPStrategy(process_group_backend="gloo" if on_cpu else "nccl")
     if name == "fsdp2":
         return ModelParallelStrategy(
-            data_parallel_size=run.trainer.strategy.dp_size or "auto",
+            data_parallel_size=data_parallel_size(run, trainer_kwargs),
             tensor_parallel_size=1,
             save_distributed_checkpoint=False,
         )
@@ -202,7 +221,7 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
     trainer = L.Trainer(
         **trainer_kwargs,
         precision=LIGHTNING_PRECISION[run.trainer.precision],
-        strategy=build_strategy(run, accelerator),
+        strategy=build_strategy(run, accelerator, trainer_kwargs),
         callbacks=_callbacks(run, run_dir, val_every if isinstance(val_every, int) else None)
         + [exporter, LogResume(ckpt_path)],
         logger=_loggers(run, run_dir),

@@ -1,0 +1,77 @@
+"""Worker for the multi-process tests: `torchrun --nproc_per_node=N tests/dist_train.py OUT SALM STRATEGY VARIANT WAV...`.
+
+Every run trains on the same global batch of four conversations: one process takes all
+four rows, N processes take 4/N rows each. Writes the final export and, per rank, the
+last logged metrics.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from conftest import chatml_speech_batch, compose, tiny_run_overrides  # noqa: E402
+from listdata import ListDataModule  # noqa: E402
+
+from dflash_train.config import validate_config  # noqa: E402
+from dflash_train.train import train  # noqa: E402
+
+TEXTS = [
+    "hello world",
+    "the draft proposes tokens and the target checks them",
+    "a small speech model listens to the clip",
+    "every word it hears is written down",
+]
+
+
+def main() -> None:
+    out, salm_dir, strategy, variant, *wavs = sys.argv[1:]
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    from lhotse import CutSet, Recording
+
+    cuts = CutSet([Recording.from_file(w, recording_id=f"r{i}").to_cut() for i, w in enumerate(wavs)])
+    audios, lens = cuts.load_audio(collate=True)
+    validated = validate_config(
+        compose(
+            "dflash",
+            tiny_run_overrides(salm_dir)
+            + [
+                f"dflash={variant}",
+                "trainer=cpu",
+                f"trainer.devices={world}",
+                f"trainer.strategy.name={strategy}",
+                "trainer.max_steps=3",
+                "trainer.val_check_interval=3",
+                "+trainer.enable_progress_bar=false",
+                "dflash.block_size=4",
+                "dflash.num_anchors=512",
+                "dflash.lr=3e-3",
+            ]
+            + (["dflash.selector_rank=16", "dflash.selector_top_k=8"] if variant == "dflash2" else [])
+            + [
+                f"exp_manager.explicit_log_dir={out}",
+                "exp_manager.create_tensorboard_logger=false",
+            ],
+        )
+    )
+
+    def factory(run, target):
+        rows = range(rank * len(TEXTS) // world, (rank + 1) * len(TEXTS) // world)
+        speech = (torch.as_tensor(audios)[list(rows)], torch.as_tensor(lens)[list(rows)])
+        batch = chatml_speech_batch(target, speech, [TEXTS[i] for i in rows], repeat=2)
+        # ListDataModule shards by rank; hand every rank its own rows as a one-element world.
+        module = ListDataModule([batch] * world, [batch] * world)
+        return module
+
+    summary = train(validated, factory)
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({"steps": summary.steps, "train_loss": summary.train_loss, "val_loss": summary.val_loss})
+    )
+
+
+if __name__ == "__main__":
+    main()
