@@ -113,7 +113,8 @@ class AudioTokenEstimator:
             return [num_samples]
         spans = [min(self.chunk_samples, num_samples - begin) for begin in range(0, num_samples, self.chunk_samples)]
         if len(spans) > 1 and spans[-1] < self.min_chunk_samples:
-            spans[-2] += spans.pop()
+            tail = spans.pop()
+            spans[-1] += tail
         return spans
 
     def _min_chunk_samples(self) -> int:

@@ -1,0 +1,173 @@
+"""The datamodule under Lightning, named validation sets, shipped data configs and the demo data script."""
+
+import hashlib
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import soundfile as sf
+import torch
+from lhotse import CutSet
+from omegaconf import OmegaConf
+
+from conftest import REPO_ROOT, compose
+from dflash_train.config import validate_config
+from dflash_train.config.schema import DataConfig, DatasetConfig, InputConfig
+from dflash_train.data.demo_data import demo_sentences, write_demo_data
+from dflash_train.data.module import SpeechDataModule
+from dflash_train.data.validate import check_data_rules, validate_data_config
+from dflash_train.errors import ConfigError
+
+TAG = "<|audio|>"
+
+
+class Recorder(L.LightningModule):
+    """Consumes SpeechBatches like the training module does and remembers what it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(("train", batch.dataset_name, len(batch.sample_ids)))
+        return (self.weight * batch.input_ids.float().mean()).sum()
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        self.seen.append(("val", batch.dataset_name, dataloader_idx))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_lightning_fit_reads_training_and_every_named_validation_set(tiny_target, audio_estimator, demo_data, tmp_path):
+    train, val = demo_data
+    cuts = list(CutSet.from_file(val))
+    CutSet(cuts[:2]).to_file(tmp_path / "clean.jsonl.gz")
+    CutSet(cuts[2:]).to_file(tmp_path / "noisy.jsonl.gz")
+    split = dict(batch_tokens=300, max_tokens=150, bucket_buffer_size=40, shuffle_buffer_size=40, num_workers=1)
+    cfg = DataConfig(
+        train_ds=DatasetConfig(input_cfg=[InputConfig(type="lhotse_as_conversation", cuts_path=str(train))], **split),
+        validation_ds=DatasetConfig(
+            input_cfg=[
+                InputConfig(type="lhotse_as_conversation", cuts_path=str(tmp_path / "clean.jsonl.gz"), name="clean"),
+                InputConfig(type="lhotse_as_conversation", cuts_path=str(tmp_path / "noisy.jsonl.gz")),
+            ],
+            **split,
+        ),
+    )
+    module = SpeechDataModule(cfg, tiny_target.tokenizer, TAG, audio_estimator, seed=0)
+    assert (module.rank, module.world_size) == (0, 1) and module.val_names == ["clean", "noisy"]
+    recorder = Recorder()
+    trainer = L.Trainer(
+        max_steps=4, val_check_interval=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+    )
+    trainer.fit(recorder, datamodule=module)
+    train_steps = [s for s in recorder.seen if s[0] == "train"]
+    assert len(train_steps) == 4 and all(name == "train" and rows >= 1 for _, name, rows in train_steps)
+    val_steps = [s for s in recorder.seen if s[0] == "val"]
+    assert sorted(set(val_steps)) == [("val", "clean", 0), ("val", "noisy", 1)]
+    assert module.skip_counts() == {}
+
+
+def test_rank_and_world_size_default_to_the_process_group(tiny_target, audio_estimator, demo_data):
+    import torch.distributed as dist
+
+    cfg = DataConfig(train_ds=DatasetConfig(input_cfg=[InputConfig(type="lhotse_as_conversation",
+                                                                   cuts_path=str(demo_data[0]))], batch_size=2))
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1)
+    try:
+        module = SpeechDataModule(cfg, tiny_target.tokenizer, TAG, audio_estimator, seed=0)
+        assert (module.rank, module.world_size) == (0, 1)
+        assert SpeechDataModule(cfg, tiny_target.tokenizer, TAG, audio_estimator, seed=0, rank=1, world_size=2).rank == 1
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["dflash", "dflash_local", "demo"])
+def test_shipped_data_sections_pass_the_data_rules(name):
+    overrides = ["model.pretrained_name=/x", "data.train_ds.input_cfg=[{type: lhotse_as_conversation, cuts_path: a}]"]
+    run, _ = validate_config(compose(name, overrides if name == "dflash" else []))
+    check_data_rules(run.data)
+
+
+def test_demo_config_validates_against_generated_data_and_names_a_missing_path(demo_data):
+    train, val = demo_data
+    cfg = compose("demo", [f"data.train_ds.input_cfg.0.cuts_path={train}",
+                           f"data.validation_ds.input_cfg.0.cuts_path={val}"])
+    run, _ = validate_config(cfg)
+    validate_data_config(run.data)
+    assert [i.name for i in run.data.validation_ds.input_cfg] == ["demo_val"]
+    run.data.validation_ds.input_cfg[0].cuts_path = "/no/such/val.jsonl.gz"
+    with pytest.raises(ConfigError, match=r"^data.validation_ds.input_cfg\[0\].cuts_path='/no/such/val.jsonl.gz' does not exist$"):
+        validate_data_config(run.data)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"batch_tokens": None}, "data.train_ds: set batch_tokens (token budget) or batch_size"),
+    ({"packing": True, "batch_tokens": None, "batch_size": 4}, "data.train_ds.packing=true needs batch_tokens"),
+    ({"packing": True, "measure_total_length": False}, "packing=true needs measure_total_length=true"),
+    ({"max_tokens": 5000}, "data.train_ds.max_tokens=5000 exceeds batch_tokens=4096"),
+    ({"min_duration": 3.0, "max_duration": 1.0}, "data.train_ds.min_duration=3.0 is above max_duration=1.0"),
+    ({"bucket_bins": [300, 100]}, "data.train_ds.bucket_bins=[300, 100] must be distinct ascending"),
+    ({"input_cfg": []}, "data.train_ds.input_cfg is empty"),
+    ({"input_cfg": [{"type": "lhotse"}]}, "data.train_ds.input_cfg[0].type='lhotse' is unknown"),
+    ({"input_cfg": [{"type": "lhotse_as_conversation", "cuts_path": "a", "manifest_filepath": "b"}]},
+     "needs exactly one of cuts_path (lhotse cuts) and manifest_filepath (NeMo manifest)"),
+    ({"input_cfg": [{"type": "multimodal_conversation", "cuts_path": "a"}]},
+     "type multimodal_conversation reads manifest_filepath"),
+    ({"input_cfg": [{"type": "lhotse_as_conversation", "cuts_path": "a", "weight": 0}]}, "weight=0.0 must be > 0"),
+    ({"input_cfg": [{"type": "lhotse_as_conversation", "cuts_path": "a", "tags": {"prompt": "x"}}]},
+     "data.train_ds.input_cfg[0].tags.prompt is unknown"),
+    ({"input_cfg": [{"type": "lhotse_as_conversation", "cuts_path": "a", "assistant_turns": "last"}]},
+     "assistant_turns applies to type multimodal_conversation only"),
+])
+def test_bad_data_values_are_one_line_config_errors(change, message):
+    cfg = compose("dflash", ["model.pretrained_name=/x"])
+    data = OmegaConf.to_container(cfg.data)
+    data["train_ds"].update({"input_cfg": [{"type": "lhotse_as_conversation", "cuts_path": "a"}], **change})
+    cfg.data = data
+    with pytest.raises(ConfigError) as err:
+        check_data_rules(validate_config(cfg).run.data)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unknown_prompt_format_is_rejected():
+    cfg = DataConfig(prompt_format="chatml", train_ds=DatasetConfig(
+        input_cfg=[InputConfig(type="lhotse_as_conversation", cuts_path="a")], batch_size=1))
+    with pytest.raises(ConfigError, match=r"data.prompt_format='chatml' is unknown; choose one of \['nemotron_nano_v3', 'qwen'\]"):
+        check_data_rules(cfg)
+
+
+def _digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_demo_data_script_is_deterministic_real_16khz_speech(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_train.data.demo_data", "--out", str(out), "--count", "5", "--val-count", "1",
+         "--jobs", "1"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "4 training cuts" in proc.stdout and "1 in" in proc.stdout
+    first = _digest(out)
+    write_demo_data(out, count=5, val_count=1, jobs=1)
+    assert _digest(out) == first and len(first) == 7  # 5 wavs + 2 manifests, byte for byte
+    train = list(CutSet.from_file(out / "train_cuts.jsonl.gz"))
+    (val,) = CutSet.from_file(out / "val_cuts.jsonl.gz")
+    assert [c.supervisions[0].text for c in [val, *train]] == demo_sentences(5)
+    for cut in train:
+        info = sf.info(cut.recording.sources[0].source)
+        assert info.samplerate == 16000 and info.channels == 1 and 1.0 < cut.duration < 6.0
+    assert len({c.recording.num_samples for c in train}) == 4
+
+
+def test_demo_sentences_are_distinct_and_bounded():
+    sentences = demo_sentences(400)
+    assert len(set(sentences)) == 400 and all(s[0].isupper() and s.endswith(".") for s in sentences)
+    with pytest.raises(ValueError, match="at most 400 distinct demo sentences"):
+        demo_sentences(401)
