@@ -1,0 +1,202 @@
+"""The vLLM plugin's logic without vLLM: draft aliases, idempotency, the clear backbone failure,
+acceptance arithmetic, and that importing dflash_train never imports vLLM.
+
+The plugin against a real vLLM (and real serving) is tested by ``make test-vllm`` (tests/vllm/).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+from dflash_train.draft.variants import ARCHITECTURE_ALIASES
+from dflash_train.vllm_plugin.acceptance import (
+    ACCEPTED,
+    ACCEPTED_PER_POSITION,
+    DRAFT_TOKENS,
+    DRAFTS,
+    AcceptanceReport,
+    MissingCounters,
+    SpecDecodeCounters,
+    first_mismatches,
+)
+from dflash_train.vllm_plugin.aliases import alias_draft_architectures
+from dflash_train.vllm_plugin.backbone import AuxHiddenStatesUnsupported, require_aux_hidden_states
+from conftest import REPO_ROOT
+
+
+@dataclass(frozen=True)
+class LazyEntry:
+    """Shape of vLLM's ``_LazyRegisteredModel``."""
+
+    module_name: str
+    class_name: str
+
+
+@dataclass(frozen=True)
+class ClassEntry:
+    """Shape of vLLM's ``_RegisteredModel``."""
+
+    model_cls: type
+
+
+class FakeRegistry:
+    """vLLM's ``_ModelRegistry`` surface the plugin uses: ``models`` and ``register_model``."""
+
+    def __init__(self, models):
+        self.models = dict(models)
+
+    def register_model(self, arch, target):
+        if isinstance(target, str):
+            module_name, class_name = target.split(":")
+            self.models[arch] = LazyEntry(module_name, class_name)
+        else:
+            self.models[arch] = ClassEntry(target)
+
+
+class ServedDFlash2:
+    """Stands in for a class-backed registry entry."""
+
+
+def vllm_like_registry() -> FakeRegistry:
+    return FakeRegistry(
+        {
+            "DFlashDraftModel": LazyEntry("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM"),
+            "DFlash2DraftModel": ClassEntry(ServedDFlash2),
+            "Qwen3ForCausalLM": LazyEntry("vllm.model_executor.models.qwen3", "Qwen3ForCausalLM"),
+        }
+    )
+
+
+def test_aliases_point_lazy_and_class_backed_entries_at_the_serving_class():
+    registry = vllm_like_registry()
+    added = alias_draft_architectures(registry)
+    assert added == ARCHITECTURE_ALIASES
+    for alias in ("Qwen3DFlashDraftModel", "DFlashQwen3DFlashDraftModel"):
+        assert registry.models[alias] == LazyEntry("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM")
+    for alias in ("Qwen3DFlash2DraftModel", "DFlashQwen3DFlash2DraftModel"):
+        assert registry.models[alias] == ClassEntry(ServedDFlash2)
+
+
+def test_aliases_are_idempotent_and_never_override_a_known_name():
+    registry = vllm_like_registry()
+    own = LazyEntry("somewhere", "OwnQwen3DFlash")
+    registry.models["Qwen3DFlashDraftModel"] = own
+    first = alias_draft_architectures(registry)
+    snapshot = dict(registry.models)
+    assert "Qwen3DFlashDraftModel" not in first and registry.models["Qwen3DFlashDraftModel"] == own
+    assert alias_draft_architectures(registry) == {}
+    assert registry.models == snapshot
+
+
+def test_aliases_skip_a_serving_name_this_vllm_lacks():
+    registry = FakeRegistry({"DFlashDraftModel": LazyEntry("m", "C")})
+    assert alias_draft_architectures(registry) == {
+        "Qwen3DFlashDraftModel": "DFlashDraftModel",
+        "DFlashQwen3DFlashDraftModel": "DFlashDraftModel",
+    }
+    assert "Qwen3DFlash2DraftModel" not in registry.models
+
+
+def test_backbone_without_aux_hidden_state_methods_fails_with_its_class_name():
+    class MambaBackbone:
+        def set_aux_hidden_state_layers(self, layers):
+            pass
+
+    with pytest.raises(AuxHiddenStatesUnsupported) as err:
+        require_aux_hidden_states(MambaBackbone())
+    message = str(err.value)
+    assert "MambaBackbone" in message and "get_eagle3_default_aux_hidden_state_layers" in message
+    assert "\n" not in message
+
+    capable = SimpleNamespace(set_aux_hidden_state_layers=lambda layers: None,
+                              get_eagle3_default_aux_hidden_state_layers=lambda: (1,))
+    assert require_aux_hidden_states(capable) is capable
+
+
+def test_importing_dflash_train_never_imports_vllm():
+    """With a vllm that raises on import on the path, the package and its vLLM-free plugin parts import."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'vllm' or name.startswith('vllm.'):\n"
+        "            raise ImportError('vllm imported: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import dflash_train, dflash_train.cli, dflash_train.export_target, dflash_train.vllm_plugin\n"
+        "import dflash_train.vllm_plugin.aliases, dflash_train.vllm_plugin.backbone\n"
+        "import dflash_train.vllm_plugin.acceptance, dflash_train.vllm_plugin.compat, dflash_train.vllm_plugin.serving\n"
+        "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_register_without_vllm_says_so(monkeypatch):
+    from dflash_train.vllm_plugin import register
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError, whether installed or not
+    with pytest.raises(ImportError, match="needs vLLM installed"):
+        register()
+
+
+def test_pyproject_declares_the_plugin_and_the_target_export_command():
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["vllm.general_plugins"] == {"dflash_train": "dflash_train.vllm_plugin:register"}
+    assert project["scripts"]["dflash-export-target"] == "dflash_train.export_target:main"
+    assert "vllm" not in " ".join(project["dependencies"]).lower()
+
+
+def metrics(drafts, draft_tokens, accepted, per_position, engines=1):
+    """vLLM-shaped metric snapshot (``LLM.get_metrics()``), one entry per engine."""
+    out = []
+    for _ in range(engines):
+        out += [
+            SimpleNamespace(name=DRAFTS, value=drafts),
+            SimpleNamespace(name=DRAFT_TOKENS, value=draft_tokens),
+            SimpleNamespace(name=ACCEPTED, value=accepted),
+            SimpleNamespace(name=ACCEPTED_PER_POSITION, values=list(per_position)),
+            SimpleNamespace(name="vllm:num_requests_running", value=0),
+        ]
+    return out
+
+
+def test_pooled_mal_and_per_position_acceptance_from_counters():
+    before = SpecDecodeCounters.from_metrics(metrics(2, 6, 1, [1, 0, 0]))
+    after = SpecDecodeCounters.from_metrics(metrics(12, 36, 16, [9, 5, 2]))
+    counters = after - before
+    assert counters == SpecDecodeCounters(10, 30, 15, (8, 5, 2))
+    report = AcceptanceReport(counters, num_speculative_tokens=3, requests=4, generated_tokens=40, failures=0, truncated=4)
+    assert report.mal == pytest.approx(2.5)
+    assert report.full_rounds
+    assert report.positions() == [
+        (1, 8, 10, pytest.approx(0.8), pytest.approx(0.8)),
+        (2, 5, 10, pytest.approx(0.5), pytest.approx(5 / 8)),
+        (3, 2, 10, pytest.approx(0.2), pytest.approx(2 / 5)),
+    ]
+    text = report.format("demo")
+    assert "MAL 2.500 = 1 + 15 accepted / 10 drafts (K=3, pooled over 4 requests)" in text
+    assert "truncated at max_tokens 4" in text and "failures 0" in text
+
+
+def test_counters_sum_over_engines_and_flag_short_rounds():
+    counters = SpecDecodeCounters.from_metrics(metrics(5, 14, 4, [3, 1], engines=2))
+    assert counters == SpecDecodeCounters(10, 28, 8, (6, 2))
+    report = AcceptanceReport(counters, num_speculative_tokens=3, requests=2, generated_tokens=20, failures=0, truncated=0)
+    assert not report.full_rounds and "upper bound" in report.format("short")
+
+
+def test_missing_counters_are_an_error_naming_them():
+    with pytest.raises(MissingCounters, match=ACCEPTED_PER_POSITION):
+        SpecDecodeCounters.from_metrics(metrics(1, 1, 0, [0])[:3])
+
+
+def test_first_mismatches_names_request_and_position():
+    assert first_mismatches([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == {1: 1}
+    assert first_mismatches([[1, 2, 3]], [[1, 2]]) == {0: 2}
+    assert first_mismatches([[7]], [[7]]) == {}
