@@ -177,7 +177,8 @@ class DFlashDraftModule(L.LightningModule):
             return
         stats = BlockStats(batches=1.0)
         if local_ok:
-            metrics = self.run_core(inputs, self._rng_key(self.global_step, batch_idx, 0))
+            micro = batch_idx % accumulate  # not batch_idx itself: it restarts when a run resumes
+            metrics = self.run_core(inputs, self._rng_key(self.global_step, micro, 0))
             local = stats_from_step(metrics)
             loss_sum = metrics.loss * metrics.loss_weight
             stats = local

@@ -5,29 +5,25 @@ from __future__ import annotations
 import lightning as L
 from torch.utils.data import DataLoader
 
+from dflash_train.data.resume import batches_consumed
+
 
 def _identity(item):
     return item
 
 
 class ResumableBatches:
-    """Cycles through ``batches`` forever; its position is saved in and restored from checkpoints."""
+    """Cycles through ``batches`` forever, starting after the ``start`` batches a resumed run consumed."""
 
-    def __init__(self, batches):
+    def __init__(self, batches, start: int = 0):
         self.batches = batches
-        self.position = 0
+        self.start = start
 
     def __iter__(self):
+        position = self.start
         while True:
-            batch = self.batches[self.position % len(self.batches)]
-            self.position += 1
-            yield batch
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
+            yield self.batches[position % len(self.batches)]
+            position += 1
 
 
 class ListDataModule(L.LightningDataModule):
@@ -43,7 +39,7 @@ class ListDataModule(L.LightningDataModule):
         return batches[rank::world]
 
     def train_dataloader(self):
-        return ResumableBatches(self._shard(self.train))
+        return ResumableBatches(self._shard(self.train), start=batches_consumed(self.trainer))
 
     def val_dataloader(self):
         return [DataLoader(self._shard(self.val), batch_size=None, collate_fn=_identity)]
