@@ -142,18 +142,22 @@ def test_two_ranks_see_disjoint_samples_and_every_validation_sample_once(tiny_ta
                                                                           tmp_path):
     val = tmp_path / "val.jsonl.gz"
     CutSet.from_file(demo_data[0]).subset(first=12).to_file(val)
-    def loaders(rank, world_size):
+    ids_in_file = [c.id for c in CutSet.from_file(demo_data[0])]
+
+    def module(rank, world_size):
         return _module(tiny_target, audio_estimator, [_cuts(demo_data[0])], [_cuts(val)], rank=rank,
-                       world_size=world_size, batch_size=2, use_bucketing=False)
-    single = _train_batches(loaders(0, 1), 8)
-    per_rank = [_train_batches(loaders(r, 2), 4) for r in (0, 1)]
-    for r in (0, 1):  # lhotse hands rank r every other batch of the same seeded stream
-        assert [b.sample_ids for b in per_rank[r]] == [b.sample_ids for b in single[r::2]]
-    first_pass = [set(sum((b.sample_ids for b in per_rank[r][:2]), [])) for r in (0, 1)]
-    assert first_pass[0].isdisjoint(first_pass[1])
-    seen = [[i for b in loaders(r, 2).val_dataloader()[0] for i in b.sample_ids] for r in (0, 1)]
-    assert len(seen[0]) == len(seen[1]) == 6 and set(seen[0]).isdisjoint(seen[1])
-    assert sorted(seen[0] + seen[1]) == sorted(c.id for c in CutSet.from_file(val))
+                       world_size=world_size, batch_size=2, use_bucketing=False, shuffle=False)
+
+    # Training: rank r owns records r, r + 2, ... of every input and only ever sees those.
+    for rank in (0, 1):
+        seen = {i for b in _train_batches(module(rank, 2), 12) for i in b.sample_ids}
+        assert seen == set(ids_in_file[rank::2])
+    assert [b.sample_ids for b in _train_batches(module(1, 2), 2)] == [ids_in_file[1:4:2], ids_in_file[5:8:2]]
+    # Validation: every sample exactly once over both ranks, the same number of batches on each.
+    seen = [[b.sample_ids for b in module(r, 2).val_dataloader()[0]] for r in (0, 1)]
+    assert len(seen[0]) == len(seen[1]) == 3
+    flat = [sum(s, []) for s in seen]
+    assert set(flat[0]).isdisjoint(flat[1]) and sorted(flat[0] + flat[1]) == sorted(ids_in_file[:12])
 
 
 def test_same_seed_same_batches_other_seed_other_order(tiny_target, audio_estimator, demo_data):
@@ -166,6 +170,17 @@ def test_same_seed_same_batches_other_seed_other_order(tiny_target, audio_estima
     assert ids(11) == first
     assert ids(11, workers=2) == first  # audio loading in worker processes changes nothing
     assert ids(12) != first
+
+
+def test_a_resumed_run_continues_the_stream_after_the_trained_batches(tiny_target, audio_estimator, demo_data):
+    def module():
+        return _module(tiny_target, audio_estimator, [_cuts(demo_data[0])], batch_tokens=400, max_tokens=140)
+
+    fresh = [b.sample_ids for b in _train_batches(module(), 7)]
+    resumed = module()
+    progress = SimpleNamespace(total=SimpleNamespace(processed=4))
+    resumed.trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
+    assert [b.sample_ids for b in _train_batches(resumed, 3)] == fresh[4:]
 
 
 def test_inputs_are_blended_by_weight(tiny_target, audio_estimator, demo_data, tmp_path):
@@ -187,14 +202,16 @@ def test_skip_counts_are_split_across_ranks_and_sum_to_the_total(tiny_target, au
     for cut in cuts[::3]:
         cut.supervisions = []
     CutSet(cuts).to_file(tmp_path / "some_bad.jsonl.gz")
-    counts = []
-    for rank, world_size in ((0, 1), (0, 2), (1, 2)):
-        module = _module(tiny_target, audio_estimator, [_cuts(tmp_path / "some_bad.jsonl.gz")],
-                         [_cuts(tmp_path / "some_bad.jsonl.gz")], rank=rank, world_size=world_size, batch_size=4)
-        for _ in module.val_dataloader()[0]:
-            pass
-        counts.append(module.skip_counts()["no_supervision"])
-    assert counts[0] == len(cuts[::3]) and counts[1] + counts[2] == counts[0] and 0 < counts[1] < counts[0]
+    bad = len(cuts[::3])
+    for split in ("train", "validation"):
+        counts = []
+        for rank, world_size in ((0, 1), (0, 2), (1, 2)):
+            module = _module(tiny_target, audio_estimator, [_cuts(tmp_path / "some_bad.jsonl.gz")],
+                             [_cuts(tmp_path / "some_bad.jsonl.gz")], rank=rank, world_size=world_size, batch_size=4)
+            examples = module.train_examples() if split == "train" else module.validation_examples("some_bad")
+            list(islice(iter(examples), 3 * len(cuts)))  # training re-reads its shard: still counted once
+            counts.append(module.skip_counts()["no_supervision"])
+        assert counts[0] == bad and counts[1] + counts[2] == bad and 0 < counts[1] < bad, split
 
 
 def test_measure_total_length_off_budgets_only_the_prompt_part():

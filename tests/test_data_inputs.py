@@ -216,7 +216,7 @@ def test_malformed_records_and_placeholder_mismatch_are_errors_naming_the_sample
 def test_training_with_no_usable_sample_fails_with_the_skip_reasons(tiny_target, audio_estimator, tmp_path):
     manifest = _write_jsonl(tmp_path / "all_bad.json", [{"audio_filepath": "gone.wav", "duration": 1.0, "text": "x"}])
     module = _module(tiny_target, audio_estimator, [InputConfig(type="lhotse_as_conversation", manifest_filepath=manifest)])
-    with pytest.raises(DataError, match=r"data.train_ds has no usable sample in .*all_bad.json; skipped: \{'missing_audio': 1\}"):
+    with pytest.raises(DataError, match=r"data.train_ds has no usable sample for rank 0 of 1 in .*all_bad.json; skipped: \{'missing_audio': 1\}"):
         module.train_dataloader()
 
 

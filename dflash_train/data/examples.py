@@ -85,8 +85,9 @@ class Preparer:
 class SkipCounter:
     """Skipped samples by reason, as this rank's share of the total.
 
-    Every rank reads the same record stream (lhotse samplers shard whole batches), so record
-    *i* of a stream is counted only by rank ``i % world_size``: summing the counters over
+    Record *i* of an input belongs to rank ``i % world_size``. Training streams prepare only
+    the records their rank owns; validation streams prepare every record (lhotse then deals
+    whole batches to ranks) but count only owned skips. Either way, summing the counters over
     ranks gives the true total. The first few skips of each reason are logged with details.
     """
 
@@ -97,7 +98,7 @@ class SkipCounter:
         self.counts: Counter[str] = Counter()
 
     def owns(self, index: int) -> bool:
-        """Whether this rank counts record ``index`` of a stream."""
+        """Whether record ``index`` of an input belongs to this rank."""
         return index % self.world_size == self.rank
 
     def add(self, skip: SampleSkipped) -> None:
@@ -108,21 +109,28 @@ class SkipCounter:
 
 
 class ExampleStream:
-    """Re-iterable examples of one input. Skipped records are counted once each, however often
-    the stream is re-read (training repeats it; validation re-reads it every validation run)."""
+    """Re-iterable examples of one input, optionally only this rank's shard of its records.
 
-    def __init__(self, source: Input, prepare: Preparer, counter: SkipCounter):
+    Skipped records are counted once each, however often the stream is re-read (training
+    repeats it; validation re-reads it every validation run).
+    """
+
+    def __init__(self, source: Input, prepare: Preparer, counter: SkipCounter, sharded: bool):
         self.source = source
         self.prepare = prepare
         self.counter = counter
+        self.sharded = sharded
         self._counted_below = 0  # records with a smaller index were already counted if skipped
 
     def __iter__(self) -> Iterator[Example]:
         for index, record in enumerate(self.source.records):
+            owned = self.counter.owns(index)
+            if self.sharded and not owned:
+                continue
             try:
                 example = self.prepare(self.source.convert(record))
             except SampleSkipped as skip:
-                if index >= self._counted_below and self.counter.owns(index):
+                if owned and index >= self._counted_below:
                     self.counter.add(skip)
                 continue
             finally:

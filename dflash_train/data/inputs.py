@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from lhotse import CutSet, Recording
+from lhotse import AudioSource, CutSet, Recording
 from lhotse.cut import Cut, MixedCut
 
 from dflash_train.config.schema import InputConfig
@@ -219,8 +219,27 @@ def resolve_audio_path(path: str, manifest_path: str) -> Path:
 
 
 def _open_recording(path: Path, sample_id: str) -> Recording:
+    """The file's recording metadata from its header; a missing or unopenable file is a skip.
+
+    libsndfile reads the header directly (it is the hot path: every rank checks every sample
+    it prepares); other formats go through lhotse's backends.
+    """
+    import soundfile
+
     if not path.is_file():
         raise SampleSkipped("missing_audio", f"sample '{sample_id}': {path} does not exist")
+    try:
+        header = soundfile.info(str(path))
+    except Exception:  # not a libsndfile format, or broken: let lhotse's backends decide
+        header = None
+    if header is not None:
+        return Recording(
+            id=path.stem,
+            sources=[AudioSource(type="file", channels=list(range(header.channels)), source=str(path))],
+            sampling_rate=int(header.samplerate),
+            num_samples=int(header.frames),
+            duration=header.frames / header.samplerate,
+        )
     try:
         return Recording.from_file(str(path))
     except Exception as err:  # any decoder failure means the same thing here

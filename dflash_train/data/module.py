@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional
+from itertools import islice
+from typing import Iterable, Iterator, Optional
 
 import lightning as L
 import torch
@@ -17,6 +18,7 @@ from dflash_train.data.estimator import AudioTokenEstimator
 from dflash_train.data.examples import Example, ExampleStream, Filters, Preparer, SkipCounter
 from dflash_train.data.inputs import input_name, input_path, open_input
 from dflash_train.data.prompt import build_prompt_format
+from dflash_train.data.resume import batches_consumed
 from dflash_train.data.sampling import build_sampler, token_cap
 from dflash_train.data.validate import check_data_rules
 
@@ -34,14 +36,33 @@ def _topology(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]
     return rank, world_size
 
 
+class _AfterFirst:
+    """A sampler's batches without its first ``skip`` (a resumed run's already-trained batches).
+
+    Skipped batches are only sampled, never collated: their audio is not loaded.
+    """
+
+    def __init__(self, sampler, skip: int):
+        self.sampler = sampler
+        self.skip = skip
+
+    def __iter__(self) -> Iterator:
+        batches = iter(self.sampler)
+        for _ in islice(batches, self.skip):
+            pass
+        return batches
+
+
 class SpeechDataModule(L.LightningDataModule):
     """Training and named validation loaders of :class:`~dflash_train.data.batch.SpeechBatch`.
 
-    Training blends its inputs by weight into an endless stream (each input repeats), shuffles
-    it, filters it and batches it by token budget or batch size; validation sets are read once
-    per validation run, in order. Every rank builds the same stream from ``seed`` and lhotse
-    gives rank *r* every ``world_size``-th batch, so data-parallel ranks see disjoint samples.
-    Samples dropped on the way are counted by reason (:meth:`skip_counts`).
+    Training: each rank takes its shard of every input (record *i* goes to rank
+    ``i % world_size``), repeats it endlessly, blends the inputs by weight, filters, shuffles
+    and batches by token budget or batch size; ranks never share a sample and each prepares
+    only its own. Validation sets are read once per validation run, in order, by every rank;
+    lhotse deals rank *r* every ``world_size``-th batch, so ranks see disjoint samples and the
+    same number of batches. Everything is seeded by ``seed``. Samples dropped on the way are
+    counted by reason (:meth:`skip_counts`).
     """
 
     def __init__(
@@ -76,18 +97,20 @@ class SpeechDataModule(L.LightningDataModule):
                 groups.setdefault(input_name(inp), []).append(inp)
         return groups
 
-    def _streams(self, inputs: list[InputConfig], ds: DatasetConfig) -> list[ExampleStream]:
+    def _streams(self, inputs: list[InputConfig], ds: DatasetConfig, sharded: bool) -> list[ExampleStream]:
         prepare = Preparer(
             self.prompt_format, self.estimator, Filters(ds.min_duration, ds.max_duration, token_cap(ds))
         )
         return [
-            ExampleStream(open_input(inp, self.cfg.system_prompt, self.estimator.sampling_rate), prepare, self.skips)
+            ExampleStream(
+                open_input(inp, self.cfg.system_prompt, self.estimator.sampling_rate), prepare, self.skips, sharded
+            )
             for inp in inputs
         ]
 
     def train_examples(self) -> Iterable[Example]:
-        """The endless training stream: every input repeated, blended by weight (seeded)."""
-        streams = self._streams(self.cfg.train_ds.input_cfg, self.cfg.train_ds)
+        """This rank's endless training stream: its shard of every input, repeated, blended by weight."""
+        streams = self._streams(self.cfg.train_ds.input_cfg, self.cfg.train_ds, sharded=True)
         repeated = [LazyRepeater(stream, preserve_id=True) for stream in streams]
         if len(repeated) == 1:
             return repeated[0]
@@ -96,35 +119,57 @@ class SpeechDataModule(L.LightningDataModule):
     def validation_examples(self, name: str) -> Iterable[Example]:
         """Validation set ``name``: its inputs once, in order (the same stream object across runs)."""
         if name not in self._val_streams:
-            streams = self._streams(self._val_sets[name], self.cfg.validation_ds)
+            streams = self._streams(self._val_sets[name], self.cfg.validation_ds, sharded=False)
             self._val_streams[name] = streams[0] if len(streams) == 1 else LazyIteratorChain(*streams)
         return self._val_streams[name]
 
-    def _loader(self, examples: Iterable[Example], ds: DatasetConfig, shuffle: bool, name: str) -> DataLoader:
-        sampler = build_sampler(examples, ds, shuffle, self.seed, self.rank, self.world_size)
+    def _loader(
+        self,
+        examples: Iterable[Example],
+        ds: DatasetConfig,
+        shuffle: bool,
+        name: str,
+        rank: int,
+        world_size: int,
+        skip: int = 0,
+    ) -> DataLoader:
+        sampler = build_sampler(examples, ds, shuffle, self.seed, rank, world_size)
         return DataLoader(
             SpeechDataset(self.pad_id, ds.packing, name),
-            sampler=sampler,
+            sampler=_AfterFirst(sampler, skip) if skip else sampler,
             batch_size=None,
             num_workers=ds.num_workers,
             persistent_workers=ds.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Endless training batches (``dataset_name='train'``); fails if no input yields a usable sample."""
+        """Endless training batches (``dataset_name='train'``); fails if no input yields a usable sample.
+
+        A resumed run continues the deterministic stream after the batches it already trained on.
+        """
         ds = self.cfg.train_ds
         examples = self.train_examples()
         if next(iter(examples), None) is None:
             paths = ", ".join(input_path(inp) for inp in ds.input_cfg)
-            raise DataError(f"data.train_ds has no usable sample in {paths}; skipped: {self.skip_counts()}")
+            raise DataError(
+                f"data.train_ds has no usable sample for rank {self.rank} of {self.world_size} in {paths}; "
+                f"skipped: {self.skip_counts()}"
+            )
         shuffle = True if ds.shuffle is None else ds.shuffle
-        return self._loader(examples, ds, shuffle, TRAIN_NAME)
+        skip = batches_consumed(self.trainer)
+        if skip:
+            log.info("data: resuming the training stream after %d batches", skip)
+        # rank 0 of 1: the stream is already this rank's shard
+        return self._loader(examples, ds, shuffle, TRAIN_NAME, rank=0, world_size=1, skip=skip)
 
     def val_dataloader(self) -> list[DataLoader]:
         """One finite loader per validation set, in :attr:`val_names` order (``dataset_name`` = its name)."""
         ds = self.cfg.validation_ds
         shuffle = False if ds is None or ds.shuffle is None else ds.shuffle
-        return [self._loader(self.validation_examples(name), ds, shuffle, name) for name in self.val_names]
+        return [
+            self._loader(self.validation_examples(name), ds, shuffle, name, self.rank, self.world_size)
+            for name in self.val_names
+        ]
 
     def skip_counts(self) -> dict[str, int]:
         """Skipped samples by reason, this rank's share (sum over ranks for the total)."""

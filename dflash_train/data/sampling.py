@@ -7,9 +7,9 @@ lhotse's batchers decide to stop *after* adding an example, so the constraint st
 as one more example of the largest size that can still arrive would not fit. With
 bucketing that size is the current bucket's upper edge; without it, the token cap.
 
-Sharding: every rank iterates the same deterministic stream and lhotse hands rank *r* every
-``world_size``-th batch, so ranks see disjoint samples and (on a finite stream) the same
-number of batches.
+Sharding: given ``rank``/``world_size`` (validation), every rank iterates the same stream and
+lhotse hands rank *r* every ``world_size``-th batch: disjoint samples and, on a finite stream,
+the same number of batches per rank. Training streams arrive already sharded per rank.
 """
 
 from __future__ import annotations
