@@ -213,6 +213,18 @@ def test_malformed_records_and_placeholder_mismatch_are_errors_naming_the_sample
         _read_all(module)
 
 
+def test_audio_that_fails_to_load_after_the_checks_stops_with_the_sample_named(tiny_target, audio_estimator, wavs,
+                                                                               tmp_path):
+    from dflash_train.data.collate import collate_padded
+
+    manifest = _write_jsonl(tmp_path / "late.json", [{"audio_filepath": "utt-mid.wav", "duration": 1.0, "text": "x"}])
+    module = _module(tiny_target, audio_estimator, [InputConfig(type="lhotse_as_conversation", manifest_filepath=manifest)])
+    (example,) = list(module.validation_examples("late"))
+    wavs["utt-mid"].unlink()  # gone between sampling (main process) and loading (worker)
+    with pytest.raises(DataError, match=r"sample 'late.json:1': cannot load audio"):
+        collate_padded([example], tiny_target.pad_id, "late")
+
+
 def test_training_with_no_usable_sample_fails_with_the_skip_reasons(tiny_target, audio_estimator, tmp_path):
     manifest = _write_jsonl(tmp_path / "all_bad.json", [{"audio_filepath": "gone.wav", "duration": 1.0, "text": "x"}])
     module = _module(tiny_target, audio_estimator, [InputConfig(type="lhotse_as_conversation", manifest_filepath=manifest)])

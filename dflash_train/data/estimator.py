@@ -70,7 +70,7 @@ class AudioTokenEstimator:
             sampling_rate=int(sampling_rate),
             n_fft=int(featurizer.n_fft),
             hop_length=int(featurizer.hop_length),
-            stft_pad_amount=None if featurizer.stft_pad_amount is None else int(featurizer.stft_pad_amount),
+            stft_pad_amount=_optional_int(getattr(featurizer, "stft_pad_amount", None)),
             stages=tuple(stages),
         )
         estimator._check_feature_lengths(featurizer)
@@ -136,6 +136,10 @@ class AudioTokenEstimator:
                 f"the target's audio preprocessor ({type(featurizer).__name__}) counts frames differently from "
                 "the audio token estimator; token budgets would be wrong"
             )
+
+
+def _optional_int(value) -> Optional[int]:
+    return None if value is None else int(value)
 
 
 def _length_stages(module, where: str) -> Sequence[ConvLength]:
