@@ -42,7 +42,8 @@ def _train_batches(module, n):
 
 
 @pytest.mark.parametrize("bucketing", [True, False])
-def test_padded_batches_never_exceed_the_token_budget_after_splicing(tiny_target, audio_estimator, demo_data, bucketing):
+def test_padded_batches_never_exceed_the_token_budget_after_splicing(tiny_target, audio_estimator, demo_data,
+                                                                      bucketing):
     budget = 420
     module = _module(tiny_target, audio_estimator, [_cuts(demo_data[0])], batch_tokens=budget, max_tokens=140,
                      use_bucketing=bucketing)

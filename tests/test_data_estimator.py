@@ -10,7 +10,9 @@ from dflash_train.errors import ConfigError
 
 RATE = 16000
 # Whole seconds, sample-level offsets around hop and subsampling boundaries, and long audio.
-DURATIONS = [0.5, 0.5 + 1 / RATE, 0.5 - 1 / RATE, 0.64, 0.7, 1.0, 1.3712, 2.5, 4.99, 8.0, 12.345, 20.0, 30.01, 45.5, 65.0]
+DURATIONS = [
+    0.5, 0.5 + 1 / RATE, 0.5 - 1 / RATE, 0.64, 0.7, 1.0, 1.3712, 2.5, 4.99, 8.0, 12.345, 20.0, 30.01, 45.5, 65.0,
+]
 
 
 def _actual_frames(encode, num_samples: list[int]) -> list[int]:

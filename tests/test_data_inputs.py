@@ -54,6 +54,10 @@ def _rows(target, batch):
         yield hf.decode(ids), hf.decode(ids[mask])
 
 
+def _nemo(manifest):
+    return InputConfig(type="lhotse_as_conversation", manifest_filepath=manifest)
+
+
 def _write_jsonl(path, records):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return str(path)
@@ -95,7 +99,7 @@ def test_nemo_manifest_resolves_relative_paths_and_offsets(tiny_target, audio_es
         {"audio_filepath": "utt-mid.wav", "duration": 1.0, "offset": 0.5, "text": "the draft proposes tokens"},
         {"audio_filepath": str(wavs["utt-short"]), "duration": 0.8, "text": "hello world", "context": "Repeat:"},
     ])
-    module = _module(tiny_target, audio_estimator, [InputConfig(type="lhotse_as_conversation", manifest_filepath=manifest)])
+    module = _module(tiny_target, audio_estimator, [_nemo(manifest)])
     (batch,) = _read_all(module)
     assert batch.sample_ids == ["asr_manifest.json:1", "asr_manifest.json:2"]
     assert batch.audio_lens.tolist() == [RATE, int(0.8 * RATE)]
@@ -208,7 +212,8 @@ def test_malformed_records_and_placeholder_mismatch_are_errors_naming_the_sample
     chats = _write_jsonl(tmp_path / "roles.jsonl", [
         {"id": "c", "conversations": [{"from": "Robot", "type": "text", "value": "hi"}]},
     ])
-    module = _module(tiny_target, audio_estimator, [InputConfig(type="multimodal_conversation", manifest_filepath=chats)])
+    module = _module(tiny_target, audio_estimator, [InputConfig(type="multimodal_conversation",
+                                                               manifest_filepath=chats)])
     with pytest.raises(DataError, match=r"roles.jsonl:1: turn 0: unknown role from='Robot'"):
         _read_all(module)
 
@@ -218,7 +223,7 @@ def test_audio_that_fails_to_load_after_the_checks_stops_with_the_sample_named(t
     from dflash_train.data.collate import collate_padded
 
     manifest = _write_jsonl(tmp_path / "late.json", [{"audio_filepath": "utt-mid.wav", "duration": 1.0, "text": "x"}])
-    module = _module(tiny_target, audio_estimator, [InputConfig(type="lhotse_as_conversation", manifest_filepath=manifest)])
+    module = _module(tiny_target, audio_estimator, [_nemo(manifest)])
     (example,) = list(module.validation_examples("late"))
     wavs["utt-mid"].unlink()  # gone between sampling (main process) and loading (worker)
     with pytest.raises(DataError, match=r"sample 'late.json:1': cannot load audio"):
@@ -227,8 +232,9 @@ def test_audio_that_fails_to_load_after_the_checks_stops_with_the_sample_named(t
 
 def test_training_with_no_usable_sample_fails_with_the_skip_reasons(tiny_target, audio_estimator, tmp_path):
     manifest = _write_jsonl(tmp_path / "all_bad.json", [{"audio_filepath": "gone.wav", "duration": 1.0, "text": "x"}])
-    module = _module(tiny_target, audio_estimator, [InputConfig(type="lhotse_as_conversation", manifest_filepath=manifest)])
-    with pytest.raises(DataError, match=r"data.train_ds has no usable sample for rank 0 of 1 in .*all_bad.json; skipped: \{'missing_audio': 1\}"):
+    module = _module(tiny_target, audio_estimator, [_nemo(manifest)])
+    message = r"data.train_ds has no usable sample for rank 0 of 1 in .*all_bad.json; skipped: \{'missing_audio': 1\}"
+    with pytest.raises(DataError, match=message):
         module.train_dataloader()
 
 

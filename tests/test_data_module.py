@@ -81,7 +81,8 @@ def test_rank_and_world_size_default_to_the_process_group(tiny_target, audio_est
     try:
         module = SpeechDataModule(cfg, tiny_target.tokenizer, TAG, audio_estimator, seed=0)
         assert (module.rank, module.world_size) == (0, 1)
-        assert SpeechDataModule(cfg, tiny_target.tokenizer, TAG, audio_estimator, seed=0, rank=1, world_size=2).rank == 1
+        explicit = SpeechDataModule(cfg, tiny_target.tokenizer, TAG, audio_estimator, seed=0, rank=1, world_size=2)
+        assert (explicit.rank, explicit.world_size) == (1, 2)
     finally:
         dist.destroy_process_group()
 
@@ -101,7 +102,8 @@ def test_demo_config_validates_against_generated_data_and_names_a_missing_path(d
     validate_data_config(run.data)
     assert [i.name for i in run.data.validation_ds.input_cfg] == ["demo_val"]
     run.data.validation_ds.input_cfg[0].cuts_path = "/no/such/val.jsonl.gz"
-    with pytest.raises(ConfigError, match=r"^data.validation_ds.input_cfg\[0\].cuts_path='/no/such/val.jsonl.gz' does not exist$"):
+    message = r"^data.validation_ds.input_cfg\[0\].cuts_path='/no/such/val.jsonl.gz' does not exist$"
+    with pytest.raises(ConfigError, match=message):
         validate_data_config(run.data)
 
 
@@ -137,7 +139,8 @@ def test_bad_data_values_are_one_line_config_errors(change, message):
 def test_unknown_prompt_format_is_rejected():
     cfg = DataConfig(prompt_format="chatml", train_ds=DatasetConfig(
         input_cfg=[InputConfig(type="lhotse_as_conversation", cuts_path="a")], batch_size=1))
-    with pytest.raises(ConfigError, match=r"data.prompt_format='chatml' is unknown; choose one of \['nemotron_nano_v3', 'qwen'\]"):
+    message = r"data.prompt_format='chatml' is unknown; choose one of \['nemotron_nano_v3', 'qwen'\]"
+    with pytest.raises(ConfigError, match=message):
         check_data_rules(cfg)
 
 

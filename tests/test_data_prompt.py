@@ -55,7 +55,8 @@ def test_qwen_matches_nemo_qwen_prompt_formatter(tok, audio_cut):
     fmt = build_prompt_format("qwen", tok, TAG)
     conversation = _asr(audio_cut, system=None)
     turns = [{"role": m.role, "slots": {"message": m.content}} for m in fmt.messages(conversation)]
-    assert fmt.encode(conversation).input_ids.tolist() == QwenPromptFormatter(tok).encode_dialog(turns)["input_ids"].tolist()
+    reference = QwenPromptFormatter(tok).encode_dialog(turns)["input_ids"].tolist()
+    assert fmt.encode(conversation).input_ids.tolist() == reference
 
 
 def test_nemotron_nano_v3_matches_nemo_and_leaves_the_empty_think_block_unsupervised(tok, audio_cut):
@@ -107,7 +108,8 @@ def test_multi_turn_supervises_exactly_the_chosen_replies(tok, audio_cut, name):
 def test_a_text_turn_containing_the_audio_tag_is_an_error_naming_the_sample(tok, audio_cut):
     fmt = build_prompt_format("qwen", tok, TAG)
     bad = _asr(audio_cut, context=f"Listen {TAG} carefully:")
-    with pytest.raises(DataError, match=r"sample 'utt-1' has 2 audio placeholder\(s\) '<\|audio\|>' in its tokens but 1 audio"):
+    message = r"sample 'utt-1' has 2 audio placeholder\(s\) '<\|audio\|>' in its tokens but 1 audio"
+    with pytest.raises(DataError, match=message):
         fmt.encode(bad)
 
 

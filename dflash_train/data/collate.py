@@ -19,7 +19,8 @@ def load_audio(example: Example) -> list[torch.Tensor]:
         try:
             samples = cut.load_audio()
         except Exception as err:  # a decoder failure after the header check: name the sample, stop
-            raise DataError(f"sample '{example.id}': cannot load audio {cut.id} ({type(err).__name__}: {err})") from None
+            detail = f"{type(err).__name__}: {err}"
+            raise DataError(f"sample '{example.id}': cannot load audio {cut.id} ({detail})") from None
         mono = samples.mean(axis=0) if samples.ndim == 2 else samples
         if mono.shape[0] != cut.num_samples:
             raise DataError(

@@ -48,6 +48,11 @@ def demo_sentences(count: int) -> list[str]:
     return [f"{SUBJECTS[s].capitalize()} {PREDICATES[p]}." for s, p in order]
 
 
+def _rate(index: int) -> int:
+    """Speaking rate of utterance ``index``: changes every two utterances, so it varies against the voice."""
+    return WORDS_PER_MINUTE[(index // 2) % len(WORDS_PER_MINUTE)]
+
+
 def _speak(job: tuple[str, str, str, int]) -> str:
     from dflash_train.testing.speech import synthesize
 
@@ -89,7 +94,7 @@ def write_demo_data(out: str | Path, count: int = 320, val_count: int = 32, jobs
     wav_dir.mkdir(parents=True, exist_ok=True)
     sentences = demo_sentences(count)
     jobs_list = [
-        (text, str(wav_dir / f"demo-{i:04d}.wav"), VOICES[i % len(VOICES)], WORDS_PER_MINUTE[(i // 2) % len(WORDS_PER_MINUTE)])
+        (text, str(wav_dir / f"demo-{i:04d}.wav"), VOICES[i % len(VOICES)], _rate(i))
         for i, text in enumerate(sentences)
     ]
     if jobs > 1:

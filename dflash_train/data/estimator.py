@@ -65,7 +65,10 @@ class AudioTokenEstimator:
     ) -> "AudioTokenEstimator":
         """Read hop, FFT size, subsampling and chunking parameters off NeMo's ``AudioPerceptionModule``."""
         featurizer = perception.preprocessor.featurizer
-        stages = (*_length_stages(perception.encoder, "encoder"), *_length_stages(perception.modality_adapter, "adapter"))
+        stages = (
+            *_length_stages(perception.encoder, "encoder"),
+            *_length_stages(perception.modality_adapter, "adapter"),
+        )
         estimator = cls(
             sampling_rate=int(sampling_rate),
             n_fft=int(featurizer.n_fft),
@@ -161,7 +164,9 @@ def _length_stages(module, where: str) -> Sequence[ConvLength]:
     reduction = getattr(module, "reduction_subsampling", None)
     if reduction is not None:
         if reduction.reduction == "pooling":
-            stages.append(ConvLength(reduction.kernel_size, reduction.stride, reduction.padding, False, reduction._sampling_num))
+            stages.append(
+                ConvLength(reduction.kernel_size, reduction.stride, reduction.padding, False, reduction._sampling_num)
+            )
         else:
             stages.append(_conv_subsampling_length(reduction.reduction_enc, where))
     return stages

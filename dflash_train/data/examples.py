@@ -58,18 +58,18 @@ class Preparer:
         self.filters = filters
 
     def __call__(self, conversation: Conversation) -> Example:
-        f = self.filters
+        f, name = self.filters, f"sample '{conversation.id}'"
         duration = conversation.duration
         if f.min_duration is not None and duration < f.min_duration:
-            raise SampleSkipped("below_min_duration", f"sample '{conversation.id}': {duration:.2f}s < {f.min_duration}s")
+            raise SampleSkipped("below_min_duration", f"{name}: {duration:.2f}s < {f.min_duration}s")
         if f.max_duration is not None and duration > f.max_duration:
-            raise SampleSkipped("above_max_duration", f"sample '{conversation.id}': {duration:.2f}s > {f.max_duration}s")
+            raise SampleSkipped("above_max_duration", f"{name}: {duration:.2f}s > {f.max_duration}s")
         encoded = self.prompt_format.encode(conversation)
         audio = conversation.audio_cuts
         frames = [self.estimator.frames(cut.num_samples) for cut in audio]
         num_tokens = len(encoded.input_ids) - len(frames) + sum(frames)
         if f.max_tokens is not None and num_tokens > f.max_tokens:
-            raise SampleSkipped("too_many_tokens", f"sample '{conversation.id}': {num_tokens} > {f.max_tokens} positions")
+            raise SampleSkipped("too_many_tokens", f"{name}: {num_tokens} > {f.max_tokens} positions")
         return Example(
             id=conversation.id,
             input_ids=encoded.input_ids,

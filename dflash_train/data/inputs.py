@@ -40,7 +40,6 @@ INPUT_TYPES = ("lhotse_as_conversation", "multimodal_conversation")
 class Input:
     """One configured input: its records and the conversion of a record into a conversation."""
 
-    name: str
     weight: float
     records: Iterable[Any]
     convert: Callable[[Any], Conversation]
@@ -71,16 +70,13 @@ def open_input(cfg: InputConfig, system_prompt: Optional[str], sampling_rate: in
     )
     path = input_path(cfg)
     if cfg.type == "lhotse_as_conversation" and cfg.cuts_path is not None:
-        return Input(input_name(cfg), cfg.weight, CutSet.from_file(path), defaults.cut_to_conversation)
+        return Input(cfg.weight, CutSet.from_file(path), defaults.cut_to_conversation)
     records = JsonlRecords(path)
     if cfg.type == "lhotse_as_conversation":
-        return Input(input_name(cfg), cfg.weight, records, defaults.nemo_entry_to_conversation)
+        return Input(cfg.weight, records, defaults.nemo_entry_to_conversation)
     supervise_last_only = cfg.assistant_turns == "last"
     return Input(
-        input_name(cfg),
-        cfg.weight,
-        records,
-        lambda record: defaults.conversation_record_to_conversation(record, supervise_last_only),
+        cfg.weight, records, lambda record: defaults.conversation_record_to_conversation(record, supervise_last_only)
     )
 
 

@@ -61,7 +61,9 @@ def _check_split(ds: DatasetConfig, key: str) -> None:
     _require(ds.num_workers >= 0, f"{key}.num_workers={ds.num_workers} must be >= 0")
     if ds.packing:
         _require(ds.batch_tokens is not None, f"{key}.packing=true needs batch_tokens (the packed row length)")
-        _require(ds.measure_total_length, f"{key}.packing=true needs measure_total_length=true (rows hold whole sequences)")
+        _require(
+            ds.measure_total_length, f"{key}.packing=true needs measure_total_length=true (rows hold whole sequences)"
+        )
     if ds.batch_tokens is not None and ds.max_tokens is not None:
         _require(
             ds.max_tokens <= ds.batch_tokens,
