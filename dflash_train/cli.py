@@ -24,31 +24,27 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 def run(cfg: DictConfig) -> None:
-    """Validate the recipe, load and check the target; the training loop is not in this build yet."""
+    """Validate the recipe, train the draft, print where the export is and how to serve it."""
     validated = validate_config(cfg)
-    from dflash_train.target import load_target_for_run
+    from dflash_train.train import train
 
-    target, layer_ids, mask_token_id = load_target_for_run(validated.run)
-    log.info(
-        "target ready: %d decoder blocks, hidden %d, vocab %d, taps %s, mask_token_id %d",
-        target.num_layers,
-        target.hidden_size,
-        target.vocab_size,
-        layer_ids,
-        mask_token_id,
-    )
-    raise SystemExit(
-        "dflash-train: recipe and target are valid, but the draft training loop is not part of this build yet "
-        "(tracked by the training issue); nothing was trained."
-    )
+    summary = train(validated)
+    for line in summary.report(validated.run):
+        log.info(line)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="dflash")
 def _hydra_main(cfg: DictConfig) -> None:
+    from dflash_train.data.conversation import DataError
+    from dflash_train.draft.export import DraftExportError
+    from dflash_train.target import PlaceholderMismatchError, TargetLoadError
+
     try:
         run(cfg)
     except ConfigError as err:
         raise SystemExit(f"config error: {err}") from None
+    except (DataError, TargetLoadError, DraftExportError, PlaceholderMismatchError) as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 def _report_missing_after_show_cfg() -> None:

@@ -239,6 +239,7 @@ class DFlashDraftModule(L.LightningModule):
                     "train/candidate_recall": float(metrics.candidate_recall),
                 }
             )
+        values.update(self._data_skip_totals())
         self.log_dict(values, on_step=True)
         self.log_dict(
             {"loss": total.loss, "accept_len": total.accept_len, "tok/s": values["train/tokens_per_second"]},
@@ -246,6 +247,18 @@ class DFlashDraftModule(L.LightningModule):
             on_step=True,
             logger=False,
         )
+
+    def _data_skip_totals(self) -> dict[str, float]:
+        """``data/skipped/<reason>`` summed over ranks, from a datamodule that counts skips."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None or not hasattr(datamodule, "skip_counts"):
+            return {}
+        from dflash_train.data.conversation import SKIP_REASONS
+
+        reasons = sorted(SKIP_REASONS)
+        local = datamodule.skip_counts()
+        totals = all_reduce_sum(torch.tensor([float(local.get(r, 0)) for r in reasons], device=self.device))
+        return {f"data/skipped/{r}": float(v) for r, v in zip(reasons, totals.tolist())}
 
     # ------------------------------------------------------------------ validation
     def on_validation_epoch_start(self) -> None:
@@ -281,13 +294,11 @@ class DFlashDraftModule(L.LightningModule):
             {
                 "val/dflash_loss": overall.loss,
                 "val/dflash_accuracy": overall.accuracy,
-                "val/accept_len": overall.accept_len,
                 "val/valid_blocks": overall.blocks,
                 "val/skipped_batches": overall.skipped,
-                "val_acc": overall.accuracy,
-            },
-            prog_bar=True,
+            }
         )
+        self.log_dict({"val/accept_len": overall.accept_len, "val_acc": overall.accuracy}, prog_bar=True)
 
     # ------------------------------------------------------------------ optimizer
     def configure_optimizers(self) -> Any:

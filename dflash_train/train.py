@@ -41,6 +41,31 @@ class TrainSummary:
     val_accept_len: Optional[float]
     export_dir: Optional[Path]
     resumed_from: Optional[Path]
+    skipped: dict[str, float]
+
+    def report(self, run: RunConfig, serve_target: Optional[str] = None) -> list[str]:
+        """Readable end-of-run summary, with the exact serve command when an export exists."""
+
+        def fmt(value: Optional[float]) -> str:
+            return "n/a" if value is None else f"{value:.4f}"
+
+        lines = [
+            f"run directory: {self.run_dir}" + (f" (resumed from {self.resumed_from})" if self.resumed_from else ""),
+            f"steps: {self.steps}; final train loss {fmt(self.train_loss)}; val loss {fmt(self.val_loss)}; "
+            f"val accept_len {fmt(self.val_accept_len)}",
+            "skipped samples: " + (", ".join(f"{k} {int(v)}" for k, v in self.skipped.items() if v) or "none"),
+        ]
+        if self.export_dir is None:
+            lines.append("no final export (training did not finish); resume from the last checkpoint")
+            return lines
+        from dflash_train.export_target import serve_command
+
+        target = serve_target or "<vLLM-ready target: dflash-export-target SALM_CKPT OUT>"
+        lines += [
+            f"export: {self.export_dir}",
+            "serve: " + serve_command(target, self.export_dir.resolve(), run.dflash.block_size - 1),
+        ]
+        return lines
 
 
 def run_directory(run: RunConfig) -> Path:
@@ -168,6 +193,20 @@ def _loggers(run: RunConfig, run_dir: Path) -> list:
     return loggers or False
 
 
+def build_datamodule(run: RunConfig, target) -> L.LightningDataModule:
+    """The configured speech data pipeline, tokenizing and budgeting with the target's own parts."""
+    from dflash_train.data.estimator import AudioTokenEstimator
+    from dflash_train.data.module import SpeechDataModule
+
+    return SpeechDataModule(
+        run.data,
+        target.tokenizer,
+        run.model.audio_locator_tag,
+        AudioTokenEstimator.from_target(target),
+        seed=run.seed,
+    )
+
+
 def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
     """Run the recipe; ``datamodule_factory(run, target)`` replaces the configured data pipeline (tests)."""
     run, trainer_kwargs = validated
@@ -175,9 +214,9 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
     accelerator = str(trainer_kwargs.get("accelerator", "auto"))
     backend = resolve_attention_backend(run.dflash.attention_backend, accelerator)
     if datamodule_factory is None:
-        from dflash_train.data.setup import build_datamodule, check_data_config
+        from dflash_train.data.validate import validate_data_config
 
-        check_data_config(run.data)
+        validate_data_config(run.data)
         datamodule_factory = build_datamodule
     L.seed_everything(run.seed, workers=True)
     target, layer_ids, mask_token_id = load_target_for_run(run)
@@ -229,6 +268,7 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    skipped = {k.removeprefix("data/skipped/"): v for k, v in metrics.items() if k.startswith("data/skipped/")}
     return TrainSummary(
         run_dir=run_dir,
         steps=trainer.global_step,
@@ -237,4 +277,5 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
         val_accept_len=metrics.get("val/accept_len"),
         export_dir=exporter.written,
         resumed_from=ckpt_path,
+        skipped=skipped,
     )
