@@ -39,14 +39,56 @@ def test_torchrun_launches_the_module_on_every_rank(tmp_path):
     assert proc.stdout.count("num_anchors: 512") == 2
 
 
-def test_cli_loads_the_real_target_and_checks_taps(tiny_salm_dir, tmp_path):
-    base = [str(BIN / "dflash-train"), f"model.pretrained_name={tiny_salm_dir}", "data.train_ds.input_cfg=[]",
-            "trainer.precision=32-true", "dflash.draft_num_hidden_layers=2", f"exp_manager.exp_dir={tmp_path}"]
-    bad = _run(base + ["dflash.target_layer_ids=[1,7]"], tmp_path)
+def _demo_args(salm_dir, demo_data, run_dir):
+    train_cuts, val_cuts = demo_data
+    return [
+        "--config-name=demo",
+        f"model.pretrained_name={salm_dir}",
+        f"data.train_ds.input_cfg.0.cuts_path={train_cuts}",
+        f"data.validation_ds.input_cfg.0.cuts_path={val_cuts}",
+        "data.train_ds.bucket_estimate_samples=20",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "trainer.limit_val_batches=1",
+        f"exp_manager.explicit_log_dir={run_dir}",
+    ]
+
+
+def test_cli_rejects_taps_outside_the_target_before_loading_it(tiny_salm_dir, demo_data, tmp_path):
+    bad = _run([str(BIN / "dflash-train"), *_demo_args(tiny_salm_dir, demo_data, tmp_path / "run"),
+                "dflash.target_layer_ids=[1,7]"], tmp_path)
     assert bad.returncode == 1
     assert bad.stderr.strip().splitlines()[-1] == (
         "config error: dflash.target_layer_ids=[1, 7]: [7] outside the target's 6 decoder blocks (valid ids 0..5)"
     )
-    ok = _run(base, tmp_path)
-    assert "target ready: 6 decoder blocks, hidden 64, vocab 384, taps [1, 3], mask_token_id 320" in ok.stdout + ok.stderr
-    assert ok.returncode == 1 and "nothing was trained" in ok.stderr
+
+
+def test_cli_missing_data_path_fails_at_start(tiny_salm_dir, demo_data, tmp_path):
+    args = _demo_args(tiny_salm_dir, demo_data, tmp_path / "run")
+    args[2] = f"data.train_ds.input_cfg.0.cuts_path={tmp_path / 'nope.jsonl.gz'}"
+    proc = _run([str(BIN / "dflash-train"), *args], tmp_path)
+    assert proc.returncode == 1
+    assert f"cuts_path='{tmp_path / 'nope.jsonl.gz'}' does not exist" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_cli_trains_on_speech_data_and_exports(tiny_salm_dir, demo_data, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _run([str(BIN / "dflash-train"), *_demo_args(tiny_salm_dir, demo_data, run_dir)], tmp_path, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "steps: 3; final train loss" in out
+    assert f"export: {run_dir / 'export'}" in out
+    assert '"num_speculative_tokens": 7' in out
+    assert (run_dir / "export" / "model.safetensors").exists()
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+
+
+def test_torchrun_trains_with_two_fsdp2_ranks(tiny_salm_dir, demo_data, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _run([str(BIN / "torchrun"), "--nproc_per_node=2", "--master_port=29534", "-m", "dflash_train",
+                 *_demo_args(tiny_salm_dir, demo_data, run_dir), "trainer.devices=2",
+                 "trainer.strategy.name=fsdp2"], tmp_path, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "steps: 3; final train loss" in proc.stdout + proc.stderr
+    assert (run_dir / "export" / "model.safetensors").exists()
