@@ -92,3 +92,15 @@ def test_torchrun_trains_with_two_fsdp2_ranks(tiny_salm_dir, demo_data, tmp_path
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "steps: 3; final train loss" in proc.stdout + proc.stderr
     assert (run_dir / "export" / "model.safetensors").exists()
+
+
+def test_user_config_dir_inherits_the_recipe(tmp_path):
+    (tmp_path / "my_run.yaml").write_text(
+        "defaults:\n  - dflash\n  - _self_\nmodel:\n  pretrained_name: /ckpt/my_salm\n"
+        "data:\n  train_ds:\n    input_cfg:\n      - {type: lhotse_as_conversation, cuts_path: /data/t.jsonl.gz}\n"
+    )
+    proc = _run([str(BIN / "dflash-train"), f"--config-dir={tmp_path}", "--config-name=my_run", "--cfg", "job",
+                 "--resolve"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "pretrained_name: /ckpt/my_salm" in proc.stdout and "num_anchors: 512" in proc.stdout
+    assert "mandatory" not in proc.stderr
