@@ -177,3 +177,20 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched(tiny_salm_dir, tiny
     ckpt = torch.load(tmp_path / "skip" / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     steps = {float(s["step"]) for s in ckpt["optimizer_states"][0]["state"].values()}
     assert ckpt["global_step"] == 3 and steps == {1.0}
+
+
+def test_custom_optimizer_and_gradient_clipping(tiny_salm_dir, batches, tmp_path):
+    base = train(_recipe(tiny_salm_dir, tmp_path / "base", "trainer.max_steps=1"), _factory(batches))
+    start = load_file(str(base.export_dir / "model.safetensors"))
+    validated = _recipe(
+        tiny_salm_dir, tmp_path / "sgd", "trainer.max_steps=1", "trainer.gradient_clip_val=0.001",
+        "dflash.optimizer={_target_:torch.optim.SGD,lr:1.0}", f"dflash.init_from_pretrained={base.export_dir}",
+        "exp_manager.checkpoint_every_n_steps=1",
+    )
+    summary = train(validated, _factory(batches))
+    end = load_file(str(summary.export_dir / "model.safetensors"))
+    update = torch.sqrt(sum(((end[k] - start[k]) ** 2).sum() for k in start)).item()
+    assert 0 < update <= 0.001 * 1.0001, f"SGD(lr=1) step with clip 0.001 moved weights by {update}"
+    ckpt = torch.load(tmp_path / "sgd" / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    group = ckpt["optimizer_states"][0]["param_groups"][0]
+    assert group["lr"] == 1.0 and "momentum" in group and "betas" not in group  # SGD, not the default AdamW
