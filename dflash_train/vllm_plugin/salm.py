@@ -91,7 +91,7 @@ class TokenIdAudioProcessor(NeMoSpeechLMMultiModalProcessor):
         return [PromptReplacement(modality="audio", target=[token_id], replacement=frames)]
 
 
-def _processor_for(vllm_version: str) -> type[NeMoSpeechLMMultiModalProcessor]:
+def processor_for_vllm(vllm_version: str) -> type[NeMoSpeechLMMultiModalProcessor]:
     """The processor class for this vLLM: ours from the token-id API on, NeMo's before it."""
     if Version(Version(vllm_version).base_version) >= TOKEN_ID_PROCESSOR_API:
         return TokenIdAudioProcessor
@@ -99,7 +99,7 @@ def _processor_for(vllm_version: str) -> type[NeMoSpeechLMMultiModalProcessor]:
 
 
 @MULTIMODAL_REGISTRY.register_processor(
-    _processor_for(vllm.__version__),
+    processor_for_vllm(vllm.__version__),
     info=NeMoSpeechLMProcessingInfo,
     dummy_inputs=NeMoSpeechLMDummyInputsBuilder,
 )

@@ -106,8 +106,8 @@ def test_backbone_without_aux_hidden_states_fails_naming_it():
 def test_processor_adaptation_is_chosen_by_vllm_version():
     from nemo.collections.speechlm2.vllm.salm.audio import NeMoSpeechLMMultiModalProcessor
 
-    from dflash_train.vllm_plugin.salm import TokenIdAudioProcessor, _processor_for
+    from dflash_train.vllm_plugin.salm import TokenIdAudioProcessor, processor_for_vllm
 
-    assert _processor_for("0.32.0") is TokenIdAudioProcessor
-    assert _processor_for("0.33.1+cpu") is TokenIdAudioProcessor
-    assert _processor_for("0.31.0") is NeMoSpeechLMMultiModalProcessor
+    assert processor_for_vllm("0.32.0") is TokenIdAudioProcessor
+    assert processor_for_vllm("0.33.1+cpu") is TokenIdAudioProcessor
+    assert processor_for_vllm("0.31.0") is NeMoSpeechLMMultiModalProcessor
