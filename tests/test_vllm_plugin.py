@@ -214,3 +214,30 @@ def test_llvmlite_shield_lets_a_vars_scan_pass():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_serving_prompts_match_training_tokens_up_to_the_reply(tiny_salm_dir, demo_data):
+    """The prompt vLLM is sent tokenizes exactly like the training sample before its supervised reply."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from dflash_train.config.schema import InputConfig
+    from dflash_train.data.inputs import open_input
+    from dflash_train.data.prompt import build_prompt_format
+    from dflash_train.vllm_plugin.serving import SAMPLING_RATE, validation_requests
+
+    _, val_cuts = demo_data
+    tokenizer = AutoTokenizer.from_pretrained(tiny_salm_dir)
+    requests = validation_requests(val_cuts, tokenizer, limit=3)
+    source = open_input(InputConfig(type="lhotse_as_conversation", cuts_path=str(val_cuts)), None, SAMPLING_RATE)
+    chat = build_prompt_format("qwen", tokenizer, "<|audio|>")
+    conversations = [source.convert(record) for record in source.records][:3]
+    assert [r.id for r in requests] == [c.id for c in conversations]
+    for request, conversation in zip(requests, conversations):
+        encoded = chat.encode(conversation)
+        prompt_ids = tokenizer(request.prompt, add_special_tokens=False)["input_ids"]
+        assert prompt_ids == encoded.input_ids[: int(np.argmax(encoded.loss_mask))].tolist()
+        assert request.prompt.endswith("<|im_start|>assistant\n") and request.prompt.count("<|audio|>") == 1
+        (cut,) = conversation.audio_cuts
+        assert request.audios[0].dtype == np.float32
+        assert request.audios[0].shape == (round(cut.duration * SAMPLING_RATE),)
