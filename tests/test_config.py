@@ -124,3 +124,9 @@ def test_draft_model_config_passes_non_managed_keys():
 def test_every_yaml_is_parsed_by_a_test():
     tested = {f"{g}/{o}.yaml" for g, o in GROUP_OPTIONS} | {f"{n}.yaml" for n in PRIMARY_CONFIGS}
     assert tested == {str(p.relative_to(CONF)) for p in Path(CONF).rglob("*.yaml")}
+
+
+def test_unknown_key_inside_an_input_entry_is_named_with_its_path():
+    overrides = ["model.pretrained_name=/ckpt/salm", "data.train_ds.input_cfg=[{type: lhotse_as_conversation, cut_path: x}]"]
+    with pytest.raises(ConfigError, match=r"unknown config key 'data.train_ds.input_cfg\[0\].cut_path'; did you mean 'cuts_path'\?"):
+        validate_config(compose("dflash", overrides))

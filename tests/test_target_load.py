@@ -124,3 +124,8 @@ def test_build_from_salm_config_keys(tiny_salm_dir):
     reference = load_file(str(tiny_salm_dir / "model.safetensors"))
     state = loaded.target.salm.state_dict()
     assert all(torch.equal(state[k], reference[k]) for k in reference)
+
+
+def test_encoder_chunk_size_reaches_the_target(tiny_salm_dir):
+    loaded = load_target_for_run(_run(tiny_salm_dir, "model.encoder_chunk_size_seconds=2.5"))
+    assert loaded.target.salm.cfg.encoder_chunk_size_seconds == 2.5

@@ -107,15 +107,27 @@ def _check_unknown_keys(node: DictConfig, schema: type, path: str = "") -> None:
             continue
         child_schema = _dataclass_type(fields[key].type)
         child = node._get_node(key)
-        if child_schema is not None and isinstance(child, DictConfig) and not child._is_none():
+        if child_schema is None or child._is_none():
+            continue
+        if isinstance(child, DictConfig):
             if key == "dflash" and schema is RunConfig:
                 child_schema = _variant_schema(child)
             _check_unknown_keys(child, child_schema, full)
+        elif isinstance(child, ListConfig):
+            for index, item in enumerate(child):
+                if isinstance(item, DictConfig):
+                    _check_unknown_keys(item, child_schema, f"{full}[{index}]")
 
 
 def _dataclass_type(annotation: Any) -> type | None:
-    candidates = typing.get_args(annotation) or (annotation,)
-    return next((c for c in candidates if dataclasses.is_dataclass(c)), None)
+    """The dataclass a field holds, directly, as ``Optional[...]`` or as the items of a list."""
+    if dataclasses.is_dataclass(annotation):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _dataclass_type(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def _variant_schema(dflash: DictConfig) -> type[DFlashConfig]:

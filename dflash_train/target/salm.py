@@ -253,6 +253,11 @@ def load_salm(model: ModelConfig) -> nn.Module:
             f"model.audio_locator_tag='{model.audio_locator_tag}' but the target uses '{salm.audio_locator_tag}'; "
             "make them equal"
         )
+    if model.encoder_chunk_size_seconds is not None:
+        from omegaconf import open_dict
+
+        with open_dict(salm.cfg):
+            salm.cfg.encoder_chunk_size_seconds = model.encoder_chunk_size_seconds
     if model.init_from_checkpoint is not None:
         load_weights_strictly(salm, model.init_from_checkpoint, strict=model.init_from_checkpoint_strict)
     return salm
