@@ -1,0 +1,190 @@
+"""Reference speculative decoder: vLLM's DFlash inference, step for step, in plain PyTorch.
+
+One request at a time (batching changes no greedy token and no counter):
+
+1. Prefill: the target processes the prompt (audio frames spliced in); its greedy token
+   is the first output token, the *bonus* of round 1. The tapped features of every
+   prompt position become the draft's context.
+2. Each round the draft reads ``[bonus, MASK x K]`` at the next K+1 positions, attending
+   to its context (the features of every verified token so far) and to the whole query
+   block, and proposes K tokens (DFlash: argmax per position; DFlash2: its candidate
+   selector's greedy walk).
+3. The target verifies ``[bonus, d_1 .. d_K]`` in one forward. The longest prefix of
+   proposals equal to the target's greedy tokens is accepted; the target's token after
+   it becomes the next bonus. The target's cache is cropped to the accepted prefix.
+4. The draft's context grows only by verified tokens: the features of the bonus and the
+   accepted proposals. Its cache never keeps the query block.
+5. Output tokens are checked one by one for a stop token and the token limit, as vLLM
+   does after each step; counters record the round before truncation, as vLLM's do.
+
+:func:`greedy_decode` is the target alone under the same stop rule: the reference the
+speculative output must equal token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from dflash_train.draft.variants import variant_for_architecture
+from dflash_train.evaluate.session import TargetSession, crop_cache
+from dflash_train.target import SALMTarget
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a request ends: a stop token (kept in the output, as vLLM keeps EOS) or ``max_new_tokens``."""
+
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+
+
+@dataclass
+class Decoded:
+    """One request's output: token ids, why it ended (``stop`` / ``length``), accepted proposals per round."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    accepted_per_round: list[int] = field(default_factory=list)
+
+    def append(self, tokens: Sequence[int], rule: StopRule) -> bool:
+        """Append ``tokens`` one by one until one stops the request; returns whether it stopped."""
+        for token in tokens:
+            self.token_ids.append(int(token))
+            if token in rule.stop_token_ids:
+                self.finish_reason = "stop"
+            elif len(self.token_ids) >= rule.max_new_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason is not None:
+                return True
+        return False
+
+
+class Proposer(Protocol):
+    """What the decoder asks of a draft: K proposals per round, and the verified tokens afterwards."""
+
+    num_speculative_tokens: int
+
+    def start(self, prompt_embeds: torch.Tensor, features: torch.Tensor) -> None:
+        """A new request: the prompt's embeddings ``[1, S, H]`` and tapped features ``[S, F]``."""
+
+    def propose(self, bonus: int, position: int) -> list[int]:
+        """K proposals following ``bonus``, which sits at ``position``."""
+
+    def extend(self, token_ids: Sequence[int], features: torch.Tensor) -> None:
+        """Tokens just verified (the bonus and the accepted proposals) and their features ``[n, F]``."""
+
+
+def greedy_decode(session: TargetSession, prompt_embeds: torch.Tensor, rule: StopRule) -> Decoded:
+    """The target alone, one token per forward: the output speculation must reproduce."""
+    out = Decoded()
+    token = int(session.prefill(prompt_embeds).logits[-1].argmax())
+    while not out.append([token], rule):
+        token = int(session.extend([token]).logits[-1].argmax())
+    return out
+
+
+def speculative_decode(
+    session: TargetSession, proposer: Proposer, prompt_embeds: torch.Tensor, rule: StopRule
+) -> Decoded:
+    """Speculative greedy decoding of one request (module docstring, steps 1-5)."""
+    k = proposer.num_speculative_tokens
+    out = Decoded()
+    step = session.prefill(prompt_embeds)
+    bonus = int(step.logits[-1].argmax())
+    if out.append([bonus], rule):
+        return out
+    proposer.start(prompt_embeds, step.features)
+    position = prompt_embeds.shape[1]
+    while True:
+        drafts = proposer.propose(bonus, position)
+        if len(drafts) != k:
+            raise RuntimeError(f"the proposer returned {len(drafts)} tokens, expected K={k}")
+        step = session.extend([bonus, *drafts])
+        greedy = step.logits.argmax(dim=-1).tolist()
+        accepted = 0
+        while accepted < k and drafts[accepted] == greedy[accepted]:
+            accepted += 1
+        out.accepted_per_round.append(accepted)
+        session.crop(position + accepted + 1)
+        proposer.extend([bonus, *drafts[:accepted]], step.features[: accepted + 1])
+        position += accepted + 1
+        bonus = greedy[accepted]
+        if out.append([*drafts[:accepted], bonus], rule):
+            return out
+
+
+# How a variant turns the draft's K hidden states into K tokens: (draft, hidden [1,K,H], logits [1,K,V], bonus).
+TokenPicker = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], list[int]]
+
+
+def _argmax_tokens(draft: nn.Module, hidden: torch.Tensor, logits: torch.Tensor, bonus: int) -> list[int]:
+    return logits[0].argmax(dim=-1).tolist()
+
+
+def _selector_walk_tokens(draft: nn.Module, hidden: torch.Tensor, logits: torch.Tensor, bonus: int) -> list[int]:
+    anchor = torch.tensor([bonus], dtype=torch.long, device=logits.device)
+    path, _, _ = draft.candidate_selector.walk(hidden, logits, anchor, temperature=0.0)
+    return path[0].tolist()
+
+
+TOKEN_PICKERS: dict[str, TokenPicker] = {"dflash": _argmax_tokens, "dflash2": _selector_walk_tokens}
+
+
+class _EmbeddingOwner:
+    """Lets the draft embed its query block with the target's table (``draft.embed_noise_block`` API)."""
+
+    def __init__(self, embed_tokens: nn.Embedding):
+        self._embed_tokens = embed_tokens
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self._embed_tokens
+
+
+class DraftProposer:
+    """An exported DFlash / DFlash2 draft proposing through its own KV cache of verified context."""
+
+    def __init__(self, draft: nn.Module, target: SALMTarget, num_speculative_tokens: int):
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
+        self.draft = draft.eval()
+        self.target = target
+        self.num_speculative_tokens = num_speculative_tokens
+        self.pick = TOKEN_PICKERS[variant_for_architecture(draft.config.architectures[0]).name]
+        self._embedder = _EmbeddingOwner(target.embed_tokens)
+        self._cache = None
+        self._pending: torch.Tensor | None = None
+
+    def start(self, prompt_embeds: torch.Tensor, features: torch.Tensor) -> None:
+        from transformers import DynamicCache
+
+        self._cache = DynamicCache(config=self.draft.config)
+        self._pending = features
+
+    @torch.no_grad()
+    def propose(self, bonus: int, position: int) -> list[int]:
+        k = self.num_speculative_tokens
+        device = self._pending.device
+        block = torch.tensor([[bonus] + [self.draft.mask_token_id] * k], dtype=torch.long, device=device)
+        cached = self._cache.get_seq_length()
+        hidden = self.draft(
+            position_ids=torch.arange(cached, position + k + 1, device=device)[None],
+            noise_embedding=self.draft.embed_noise_block(self._embedder, block),
+            target_hidden=self._pending[None].to(self.draft.fc.weight.dtype),
+            past_key_values=self._cache,
+            use_cache=True,
+        )[:, 1:]
+        crop_cache(self._cache, position)  # keep verified context only; the query block is re-drafted next round
+        self._pending = self._pending[:0]
+        logits = self.draft.compute_logits(hidden, self.target.lm_head).float()
+        return self.pick(self.draft, hidden, logits, bonus)
+
+    def extend(self, token_ids: Sequence[int], features: torch.Tensor) -> None:
+        self._pending = features

@@ -1,0 +1,192 @@
+"""Load what an evaluation needs: the frozen target (checkpoint or recipe), exported drafts, stop tokens.
+
+Shared by ``dflash-eval``, ``dflash-labels`` and ``dflash-exposure``. Every user-fixable
+problem is a one-line :class:`~dflash_train.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from dflash_train.config.schema import InputConfig, ModelConfig, RunConfig
+from dflash_train.data.estimator import AudioTokenEstimator
+from dflash_train.data.prompt import ChatMLFormat, build_prompt_format
+from dflash_train.errors import ConfigError
+from dflash_train.target import SALMTarget, load_salm
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TargetSource:
+    """Where the frozen target comes from: a SALM checkpoint directory, or a recipe's ``model`` section.
+
+    A recipe is composed like ``dflash-train`` composes it (``config_name`` from the
+    package's ``conf/`` or from ``config_dir``, plus Hydra ``overrides``) and validated.
+    """
+
+    checkpoint: Optional[str] = None
+    config_name: Optional[str] = None
+    config_dir: Optional[str] = None
+    overrides: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if (self.checkpoint is None) == (self.config_name is None):
+            raise ConfigError("give the target as exactly one of --target (SALM checkpoint) and --config-name (recipe)")
+
+    def describe(self) -> str:
+        if self.checkpoint is not None:
+            return self.checkpoint
+        where = f" in {self.config_dir}" if self.config_dir else ""
+        return f"recipe {self.config_name}{where}" + (f" {' '.join(self.overrides)}" if self.overrides else "")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "overrides": list(self.overrides)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TargetSource":
+        return cls(**{**data, "overrides": tuple(data.get("overrides") or ())})
+
+    def recipe(self) -> Optional[RunConfig]:
+        """The composed, validated recipe (``None`` for a checkpoint source)."""
+        if self.config_name is None:
+            return None
+        return compose_recipe(self.config_name, self.config_dir, self.overrides)
+
+    def model_config(self, recipe: Optional[RunConfig]) -> ModelConfig:
+        """The ``model`` section that loads this target."""
+        if recipe is not None:
+            return recipe.model
+        path = Path(self.checkpoint)
+        config = path / "config.json"
+        if not config.is_file() or not (path / "model.safetensors").is_file():
+            raise ConfigError(f"--target '{path}' is not a SALM checkpoint directory (config.json + model.safetensors)")
+        tag = json.loads(config.read_text()).get("audio_locator_tag") or ModelConfig.audio_locator_tag
+        return ModelConfig(pretrained_name=str(path), audio_locator_tag=tag)
+
+
+def compose_recipe(config_name: str, config_dir: Optional[str], overrides: Sequence[str]) -> RunConfig:
+    """Compose and validate a recipe as ``dflash-train --config-dir --config-name`` does."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    from dflash_train.cli import CONFIG_DIR
+    from dflash_train.config import validate_config
+
+    primary = Path(config_dir).resolve() if config_dir else CONFIG_DIR
+    extra = [f"hydra.searchpath=[file://{CONFIG_DIR}]"] if config_dir else []
+    try:
+        with initialize_config_dir(config_dir=str(primary), version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=[*extra, *overrides])
+    except HydraException as err:
+        raise ConfigError(f"cannot compose recipe '{config_name}': {str(err).splitlines()[0]}") from None
+    return validate_config(cfg).run
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype {name} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_target(model: ModelConfig, device: str, dtype: str) -> SALMTarget:
+    """The frozen SALM target on ``device`` in ``dtype``."""
+    target = SALMTarget(load_salm(model))
+    return target.to(device=torch.device(device), dtype=torch_dtype(dtype))
+
+
+def load_draft(path: str, target: SALMTarget, device: str, dtype: str) -> nn.Module:
+    """An exported draft, checked against the target it will propose for."""
+    from dflash_train.draft import load_export
+
+    draft = load_export(path)
+    config = draft.config
+    bad_taps = [i for i in draft.target_layer_ids if not 0 <= i < target.num_layers]
+    problems = []
+    if config.hidden_size != target.hidden_size:
+        problems.append(f"hidden_size {config.hidden_size} != the target's {target.hidden_size}")
+    if bad_taps:
+        problems.append(f"target_layer_ids {bad_taps} outside the target's {target.num_layers} blocks")
+    if draft.mask_token_id is None or not 0 <= draft.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {draft.mask_token_id} outside the target's {target.vocab_size} embeddings")
+    if problems:
+        raise ConfigError(f"draft '{path}' does not fit the target: {'; '.join(problems)}")
+    return draft.to(device=torch.device(device), dtype=torch_dtype(dtype)).eval()
+
+
+def weights_digest(export_dir: str) -> str:
+    """SHA-256 of a draft export's weights file."""
+    import hashlib
+
+    from dflash_train.draft.export import WEIGHTS_FILE
+
+    digest = hashlib.sha256()
+    with open(Path(export_dir) / WEIGHTS_FILE, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def default_stop_token_ids(prompt_format: ChatMLFormat) -> list[int]:
+    """The tokenizer's EOS and the prompt format's end-of-turn token: where a reply ends."""
+    tokenizer = prompt_format.tokenizer
+    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(prompt_format.end)}
+    return sorted(i for i in ids if i is not None and i != tokenizer.unk_token_id)
+
+
+SPLITS = {"validation": "validation_ds", "train": "train_ds"}
+
+
+def recipe_input(recipe: RunConfig, split: str) -> InputConfig:
+    """The single input of a recipe's ``split`` (``validation`` or ``train``): the default data set."""
+    ds = getattr(recipe.data, SPLITS[split])
+    inputs = list(ds.input_cfg) if ds is not None else []
+    if len(inputs) != 1:
+        raise ConfigError(f"the recipe has {len(inputs)} {split} inputs; pass --cuts or --manifest to choose one")
+    return inputs[0]
+
+
+@dataclass
+class TargetContext:
+    """The loaded target with its data-side settings resolved: explicit flags first, then the recipe's."""
+
+    target: SALMTarget
+    model: ModelConfig
+    prompt_format: ChatMLFormat
+    estimator: AudioTokenEstimator
+    data: InputConfig
+    system_prompt: Optional[str]
+
+    def checkpoint(self) -> Optional[str]:
+        """The target checkpoint as an absolute path (``None`` for a target built from ``model.salm``)."""
+        name = self.model.pretrained_name
+        return str(Path(name).resolve()) if name and Path(name).exists() else name
+
+
+def load_target_context(
+    source: TargetSource,
+    data: Optional[InputConfig],
+    split: str,
+    prompt_format: Optional[str],
+    system_prompt: Optional[str],
+    dtype: str,
+    device: str,
+) -> TargetContext:
+    """Load the target; ``data`` defaults to the recipe's ``split`` input, the prompt to the recipe's."""
+    recipe = source.recipe()
+    if recipe is not None:
+        data = data or recipe_input(recipe, split)
+        prompt_format = prompt_format or recipe.data.prompt_format
+        system_prompt = system_prompt if system_prompt is not None else recipe.data.system_prompt
+    if data is None:
+        raise ConfigError("no data: pass --cuts or --manifest (or a recipe with a single input)")
+    model = source.model_config(recipe)
+    target = load_target(model, device, dtype)
+    fmt = build_prompt_format(prompt_format or "qwen", target.tokenizer, model.audio_locator_tag)
+    return TargetContext(target, model, fmt, AudioTokenEstimator.from_target(target), data, system_prompt)

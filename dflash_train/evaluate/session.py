@@ -1,0 +1,83 @@
+"""One request's KV-cached forward through the frozen target: greedy logits plus tapped features.
+
+Speculative decoding needs three things from the target per step: the logits of every
+position it just processed (to verify proposals and pick the next token), the tapped
+features of those positions (the draft's context, DESIGN.md §3A: pre-final-norm block
+outputs, captured with the same hooks training uses) and a cache it can roll back to the
+accepted prefix. :class:`TargetSession` gives exactly that for one sequence.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from dflash_train.target import SALMTarget, record_taps
+
+
+@dataclass
+class StepOutput:
+    """Logits ``[n, V]`` and tapped features ``[n, n_taps * H]`` (``None`` without taps) of ``n`` positions."""
+
+    logits: torch.Tensor
+    features: torch.Tensor | None
+
+
+class TargetSession:
+    """Prefill, extend and crop one sequence of the target's LLM, holding its KV cache.
+
+    ``layer_ids`` are the tapped decoder blocks (empty: no taps, e.g. target-only decoding).
+    """
+
+    def __init__(self, target: SALMTarget, layer_ids: Sequence[int] = ()):
+        from transformers import DynamicCache
+
+        self.target = target
+        self.layer_ids = list(layer_ids)
+        self.cache = DynamicCache(config=target.llm_config)
+        self.length = 0
+
+    @torch.no_grad()
+    def _forward(self, inputs_embeds: torch.Tensor, last_only: bool) -> StepOutput:
+        count = inputs_embeds.shape[1]
+        positions = torch.arange(self.length, self.length + count, device=inputs_embeds.device)[None]
+        taps = record_taps(self.target.decoder_layers, self.layer_ids) if self.layer_ids else nullcontext()
+        with taps as recorder:
+            out = self.target.decoder(
+                inputs_embeds=inputs_embeds,
+                position_ids=positions,
+                past_key_values=self.cache,
+                use_cache=True,
+                return_dict=True,
+            )
+            features = recorder.features()[0] if recorder is not None else None
+        hidden = out.last_hidden_state[0, -1:] if last_only else out.last_hidden_state[0]
+        self.length += count
+        return StepOutput(self.target.lm_head(hidden).float(), features)
+
+    def prefill(self, inputs_embeds: torch.Tensor) -> StepOutput:
+        """Process the prompt ``[1, S, H]`` (audio frames already spliced); logits of its last position only."""
+        if self.length:
+            raise RuntimeError("prefill on a session that already holds a sequence")
+        return self._forward(inputs_embeds, last_only=True)
+
+    def extend(self, token_ids: Sequence[int]) -> StepOutput:
+        """Append ``token_ids`` at the next positions; logits and features of each of them."""
+        device = self.target.embed_tokens.weight.device
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+        return self._forward(self.target.embed_tokens(ids), last_only=False)
+
+    def crop(self, length: int) -> None:
+        """Forget every position from ``length`` on (rejected proposals)."""
+        crop_cache(self.cache, length)
+        self.length = length
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first ``length`` positions of an HF cache (negative ``crop``: the non-deprecated form)."""
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)
