@@ -1,0 +1,225 @@
+"""The reference speculative decoder on the tiny real SALM and real speech.
+
+Greedy equivalence, counters that explain the MAL, an oracle reaching K + 1, an untrained
+draft near 1, a trained one above it, and a draft cache that holds verified context only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import compose, tiny_run_overrides
+from dflash_train.config.schema import InputConfig
+from dflash_train.data.collate import collate_padded
+from dflash_train.data.prompt import build_prompt_format
+from dflash_train.draft import DraftSpec, build_draft, write_export
+from dflash_train.draft.build import build_draft_config
+from dflash_train.evaluate import (
+    AcceptanceCounters,
+    DraftProposer,
+    StopRule,
+    TargetSession,
+    greedy_decode,
+    load_draft,
+    prompt_embeddings,
+    read_requests,
+    speculative_decode,
+)
+from dflash_train.evaluate.loading import default_stop_token_ids
+
+K = 3  # block size 4
+MAX_NEW = 20
+TAPS = (1, 3)
+MASK = 320
+
+
+def _spec(variant: str):
+    from dflash_train.config import validate_config
+
+    overrides = tiny_run_overrides("unused") + [f"dflash={variant}", "dflash.block_size=4"]
+    if variant == "dflash2":
+        overrides += ["dflash.selector_rank=16", "dflash.selector_top_k=8"]
+    cfg = validate_config(compose("dflash", overrides)).run.dflash
+    return DraftSpec(cfg, TAPS, MASK, 6)
+
+
+def untrained_export(target, out_dir, variant: str = "dflash"):
+    """A freshly initialised draft for ``target``, written in the export format vLLM loads."""
+    torch.manual_seed(0)
+    draft = build_draft(target.salm.llm.config, _spec(variant), "sdpa")
+    return write_export(out_dir, draft.config, draft.state_dict())
+
+
+@pytest.fixture(scope="module")
+def fmt(tiny_target):
+    return build_prompt_format("qwen", tiny_target.tokenizer, "<|audio|>")
+
+
+@pytest.fixture(scope="module")
+def requests(tiny_target, fmt, demo_data, audio_estimator):
+    """Real prompts (system/context/audio turn) of the demo validation cuts, with their audio spliced in."""
+    _, val = demo_data
+    inp = InputConfig(type="lhotse_as_conversation", cuts_path=str(val))
+    found = list(read_requests(inp, fmt, audio_estimator))
+    assert len(found) == 4 and all(hasattr(r, "prompt") for r in found)
+    return [(r, prompt_embeddings(tiny_target, r.prompt)) for r in found]
+
+
+@pytest.fixture(scope="module")
+def rule(fmt):
+    return StopRule(MAX_NEW, frozenset(default_stop_token_ids(fmt)))
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_target, requests, rule):
+    """Target-only greedy outputs: the reference every speculative run must reproduce."""
+    return [greedy_decode(TargetSession(tiny_target), embeds, rule) for _, embeds in requests]
+
+
+class TargetOracle:
+    """Proposals made by the target itself through the proposer interface: what verification will accept."""
+
+    def __init__(self, target, k: int, wrong_at=None):
+        self.target = target
+        self.num_speculative_tokens = k
+        self.wrong_at = wrong_at  # round -> proposal index made wrong on purpose (None: all right)
+        self.rounds = 0
+
+    def start(self, prompt_embeds, features):
+        self.session = TargetSession(self.target)
+        self.session.prefill(prompt_embeds)
+
+    def propose(self, bonus, position):
+        assert self.session.length == position
+        tokens, token = [], bonus
+        for _ in range(self.num_speculative_tokens):
+            token = int(self.session.extend([token]).logits[-1].argmax())
+            tokens.append(token)
+        self.session.crop(position)
+        wrong = self.wrong_at(self.rounds) if self.wrong_at else None
+        if wrong is not None:
+            tokens[wrong] = (tokens[wrong] + 1) % self.target.vocab_size
+        self.rounds += 1
+        return tokens
+
+    def extend(self, token_ids, features):
+        self.session.extend(token_ids)
+
+
+def _check_bookkeeping(decoded, k, max_new):
+    """Tokens = prefill bonus + (accepted + 1) per round, truncated inside the last round only."""
+    rounds = decoded.accepted_per_round
+    before_last = 1 + sum(a + 1 for a in rounds[:-1])
+    assert before_last < len(decoded.token_ids) <= 1 + sum(a + 1 for a in rounds)
+    assert all(0 <= a <= k for a in rounds)
+    assert decoded.finish_reason == ("length" if len(decoded.token_ids) == max_new else "stop")
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_untrained_draft_is_greedy_equal_with_mal_near_one(tiny_target, requests, greedy, rule, tmp_path, variant):
+    draft = load_draft(str(untrained_export(tiny_target, tmp_path, variant)), tiny_target, "cpu", "float32")
+    accepted_per_round = []
+    for (request, embeds), reference in zip(requests, greedy):
+        proposer = DraftProposer(draft, tiny_target, K)
+        out = speculative_decode(TargetSession(tiny_target, draft.target_layer_ids), proposer, embeds, rule)
+        assert out.token_ids == reference.token_ids, f"{request.id}: speculation changed the greedy output"
+        assert out.finish_reason == reference.finish_reason
+        _check_bookkeeping(out, K, MAX_NEW)
+        accepted_per_round += out.accepted_per_round
+    pooled = AcceptanceCounters.from_rounds(K, accepted_per_round)
+    # the MAL is exactly what the decoder's own per-round counts say
+    assert pooled.rounds == len(accepted_per_round) and pooled.accepted == sum(accepted_per_round)
+    assert pooled.mal == 1 + sum(accepted_per_round) / len(accepted_per_round)
+    assert pooled.proposed == K * pooled.rounds
+    assert 1.0 <= pooled.mal < 1.2, f"an untrained draft accepted too much: MAL {pooled.mal}"
+    print(f"untrained tiny {variant} draft: pooled MAL {pooled.mal:.3f} over {pooled.rounds} rounds (K={K})")
+
+
+def test_oracle_proposer_reaches_k_plus_one(tiny_target, requests, greedy, rule):
+    for (request, embeds), reference in zip(requests, greedy):
+        out = speculative_decode(TargetSession(tiny_target, TAPS), TargetOracle(tiny_target, K), embeds, rule)
+        assert out.token_ids == reference.token_ids
+        counters = AcceptanceCounters.from_rounds(K, out.accepted_per_round)
+        assert counters.accepted == K * counters.rounds and counters.mal == K + 1
+        assert [p.rate for p in counters.positions()] == [1.0] * K
+        _check_bookkeeping(out, K, MAX_NEW)
+
+
+def test_partial_acceptance_is_counted_exactly_and_stays_greedy_equal(tiny_target, requests, greedy, rule):
+    """Round r proposes r % (K+1) right tokens, then a wrong one: every crop/extend path is exercised."""
+    pattern = lambda r: r % (K + 1)  # noqa: E731
+    for (request, embeds), reference in zip(requests, greedy):
+        oracle = TargetOracle(tiny_target, K, wrong_at=lambda r: pattern(r) if pattern(r) < K else None)
+        out = speculative_decode(TargetSession(tiny_target, TAPS), oracle, embeds, rule)
+        assert out.token_ids == reference.token_ids
+        assert out.accepted_per_round == [pattern(r) for r in range(len(out.accepted_per_round))]
+        counters = AcceptanceCounters.from_rounds(K, out.accepted_per_round)
+        assert counters.accepted_per_position[0] == sum(1 for a in out.accepted_per_round if a >= 1)
+
+
+class ContextRecomputingProposer(DraftProposer):
+    """The same draft without a KV cache: each round re-reads every verified feature from position 0."""
+
+    def start(self, prompt_embeds, features):
+        super().start(prompt_embeds, features)
+        self.verified = features
+
+    @torch.no_grad()
+    def propose(self, bonus, position):
+        assert self.verified.shape[0] == position, "the context must be exactly the verified tokens"
+        k = self.num_speculative_tokens
+        block = torch.tensor([[bonus] + [self.draft.mask_token_id] * k])
+        hidden = self.draft(
+            position_ids=torch.arange(0, position + k + 1)[None],
+            noise_embedding=self.draft.embed_noise_block(self._embedder, block),
+            target_hidden=self.verified[None],
+        )[:, 1:]
+        logits = self.draft.compute_logits(hidden, self.target.lm_head).float()
+        return self.pick(self.draft, hidden, logits, bonus)
+
+    def extend(self, token_ids, features):
+        self.verified = torch.cat([self.verified, features])
+
+
+@pytest.fixture(scope="module")
+def trained_draft(tiny_salm_dir, tiny_target, requests, greedy, tmp_path_factory):
+    """A DFlash draft trained on the target's own greedy replies to these prompts (offline labels in memory)."""
+    from dflash_train.config import validate_config
+    from dflash_train.train import train
+    from listdata import ListDataModule
+
+    examples = []
+    for (request, _), reference in zip(requests, greedy):
+        prompt = request.prompt
+        ids = np.concatenate([prompt.input_ids, np.asarray(reference.token_ids, dtype=prompt.input_ids.dtype)])
+        mask = np.concatenate([np.zeros(len(prompt.input_ids), bool), np.ones(len(reference.token_ids), bool)])
+        examples.append(type(prompt)(**{**prompt.__dict__, "input_ids": ids, "loss_mask": mask}))
+    batch = collate_padded(examples, tiny_target.pad_id, "train")
+    run_dir = tmp_path_factory.mktemp("trained")
+    overrides = tiny_run_overrides(tiny_salm_dir) + [
+        "dflash=dflash", "trainer=cpu", "trainer.max_steps=60", "trainer.val_check_interval=60",
+        "+trainer.enable_progress_bar=false", "+trainer.enable_model_summary=false",
+        "dflash.block_size=4", "dflash.num_anchors=64", "dflash.lr=1e-2", "dflash.label_source=ground_truth",
+        f"dflash.target_layer_ids={list(TAPS)}", f"dflash.mask_token_id={MASK}",
+        f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.create_tensorboard_logger=false",
+    ]
+    summary = train(validate_config(compose("dflash", overrides)), lambda run, target: ListDataModule([batch], [batch]))
+    return load_draft(str(summary.export_dir), tiny_target, "cpu", "float32")
+
+
+def test_trained_draft_is_accepted_and_cache_holds_verified_context_only(tiny_target, requests, greedy, rule,
+                                                                         trained_draft):
+    total = AcceptanceCounters(K)
+    for (request, embeds), reference in zip(requests, greedy):
+        session = TargetSession(tiny_target, trained_draft.target_layer_ids)
+        out = speculative_decode(session, DraftProposer(trained_draft, tiny_target, K), embeds, rule)
+        assert out.token_ids == reference.token_ids
+        _check_bookkeeping(out, K, MAX_NEW)
+        recomputed = speculative_decode(TargetSession(tiny_target, trained_draft.target_layer_ids),
+                                        ContextRecomputingProposer(trained_draft, tiny_target, K), embeds, rule)
+        assert recomputed.accepted_per_round == out.accepted_per_round
+        total = total + AcceptanceCounters.from_rounds(K, out.accepted_per_round)
+    print(f"trained tiny draft: pooled MAL {total.mal:.3f} over {total.rounds} rounds (K={K})")
+    assert total.mal > 1.5, f"a draft trained on these very replies should be accepted: MAL {total.mal}"
