@@ -20,9 +20,9 @@ from dflash_train.vllm_plugin.acceptance import (
     ACCEPTED_PER_POSITION,
     DRAFT_TOKENS,
     DRAFTS,
-    AcceptanceReport,
     MissingCounters,
-    SpecDecodeCounters,
+    ServingReport,
+    SpecDecodeSnapshot,
     first_mismatches,
 )
 from dflash_train.vllm_plugin.aliases import alias_draft_architectures
@@ -166,34 +166,33 @@ def metrics(drafts, draft_tokens, accepted, per_position, engines=1):
     return out
 
 
-def test_pooled_mal_and_per_position_acceptance_from_counters():
-    before = SpecDecodeCounters.from_metrics(metrics(2, 6, 1, [1, 0, 0]))
-    after = SpecDecodeCounters.from_metrics(metrics(12, 36, 16, [9, 5, 2]))
-    counters = after - before
-    assert counters == SpecDecodeCounters(10, 30, 15, (8, 5, 2))
-    report = AcceptanceReport(counters, num_speculative_tokens=3, requests=4, generated_tokens=40, failures=0, truncated=4)
-    assert report.mal == pytest.approx(2.5)
+def test_pooled_mal_and_per_position_acceptance_from_counter_snapshots():
+    before = SpecDecodeSnapshot.from_metrics(metrics(2, 6, 1, [1, 0, 0]))
+    after = SpecDecodeSnapshot.from_metrics(metrics(12, 36, 16, [9, 5, 2]))
+    assert after - before == SpecDecodeSnapshot(10, 30, 15, (8, 5, 2))
+    counters = (after - before).counters()
+    assert (counters.num_speculative_tokens, counters.rounds, counters.proposed, counters.accepted) == (3, 10, 30, 15)
+    assert counters.mal == pytest.approx(2.5)
+    assert [(p.k, p.accepted, p.proposed) for p in counters.positions()] == [(1, 8, 10), (2, 5, 10), (3, 2, 10)]
+    assert [p.conditional for p in counters.positions()] == [pytest.approx(0.8), pytest.approx(5 / 8), pytest.approx(0.4)]
+    report = ServingReport(counters, requests=4, generated_tokens=40, failures=0, truncated=4)
     assert report.full_rounds
-    assert report.positions() == [
-        (1, 8, 10, pytest.approx(0.8), pytest.approx(0.8)),
-        (2, 5, 10, pytest.approx(0.5), pytest.approx(5 / 8)),
-        (3, 2, 10, pytest.approx(0.2), pytest.approx(2 / 5)),
-    ]
     text = report.format("demo")
-    assert "MAL 2.500 = 1 + 15 accepted / 10 drafts (K=3, pooled over 4 requests)" in text
+    assert "MAL 2.500 = 1 + 15 accepted / 10 draft rounds (K=3, pooled over 4 requests)" in text
     assert "truncated at max_tokens 4" in text and "failures 0" in text
+    assert "  2           5          10                  0.500       0.625" in text
 
 
 def test_counters_sum_over_engines_and_flag_short_rounds():
-    counters = SpecDecodeCounters.from_metrics(metrics(5, 14, 4, [3, 1], engines=2))
-    assert counters == SpecDecodeCounters(10, 28, 8, (6, 2))
-    report = AcceptanceReport(counters, num_speculative_tokens=3, requests=2, generated_tokens=20, failures=0, truncated=0)
+    snapshot = SpecDecodeSnapshot.from_metrics(metrics(5, 14, 4, [3, 1], engines=2))
+    assert snapshot == SpecDecodeSnapshot(10, 28, 8, (6, 2))
+    report = ServingReport(snapshot.counters(), requests=2, generated_tokens=20, failures=0, truncated=0)
     assert not report.full_rounds and "upper bound" in report.format("short")
 
 
 def test_missing_counters_are_an_error_naming_them():
     with pytest.raises(MissingCounters, match=ACCEPTED_PER_POSITION):
-        SpecDecodeCounters.from_metrics(metrics(1, 1, 0, [0])[:3])
+        SpecDecodeSnapshot.from_metrics(metrics(1, 1, 0, [0])[:3])
 
 
 def test_first_mismatches_names_request_and_position():

@@ -1,15 +1,12 @@
-"""Serving acceptance from vLLM's spec-decode counters: pooled MAL and per-position acceptance.
+"""Serving acceptance from vLLM's spec-decode counters, as :mod:`dflash_train.evaluate.counters` counts it.
 
 vLLM counts, per engine, ``vllm:spec_decode_num_drafts`` (draft rounds),
 ``..._num_draft_tokens`` (tokens proposed), ``..._num_accepted_tokens`` and the vector
-``..._num_accepted_tokens_per_pos`` (entry k-1 counts rounds whose first k proposals were
-all accepted). From them, over all measured requests together (DESIGN.md §3G):
-
-    MAL             = 1 + accepted / drafts          (the bonus token makes the 1)
-    accepted@k      = accepted_per_pos[k-1]
-    proposed@k      = drafts                         (every round proposes K tokens; checked)
-    rate@k          = accepted@k / proposed@k
-    conditional@k   = accepted@k / accepted@(k-1)    (accepted@0 = drafts)
+``..._num_accepted_tokens_per_pos`` (entry k-1: rounds whose first k proposals were all
+accepted). These are exactly the fields of :class:`AcceptanceCounters`, which derives the
+pooled MAL and per-position acceptance (definitions in its module, DESIGN.md §3G). vLLM does
+not export proposals per position; every round proposes K tokens unless cut short, so
+proposed@k = rounds, checked by ``draft_tokens == K x drafts`` (:attr:`ServingReport.full_rounds`).
 
 Counters are cumulative over an engine's life: measure a run as the difference of two
 snapshots. vLLM-free: works on any objects with vLLM's metric shape (``name`` plus
@@ -20,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Sequence
+
+from dflash_train.evaluate.counters import AcceptanceCounters
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -32,8 +31,8 @@ class MissingCounters(RuntimeError):
 
 
 @dataclass(frozen=True)
-class SpecDecodeCounters:
-    """One snapshot (or the difference of two) of vLLM's spec-decode counters, summed over engines."""
+class SpecDecodeSnapshot:
+    """vLLM's spec-decode counters at one moment (or the difference of two), summed over engines."""
 
     drafts: int
     draft_tokens: int
@@ -41,7 +40,7 @@ class SpecDecodeCounters:
     accepted_per_position: tuple[int, ...]
 
     @classmethod
-    def from_metrics(cls, metrics: Iterable) -> "SpecDecodeCounters":
+    def from_metrics(cls, metrics: Iterable) -> "SpecDecodeSnapshot":
         """Read the counters from ``LLM.get_metrics()``; :class:`MissingCounters` if any is absent."""
         scalars: dict[str, int] = {}
         per_position: list[int] | None = None
@@ -60,67 +59,62 @@ class SpecDecodeCounters:
             )
         return cls(scalars[DRAFTS], scalars[DRAFT_TOKENS], scalars[ACCEPTED], tuple(per_position))
 
-    def __sub__(self, earlier: "SpecDecodeCounters") -> "SpecDecodeCounters":
-        return SpecDecodeCounters(
+    def __sub__(self, earlier: "SpecDecodeSnapshot") -> "SpecDecodeSnapshot":
+        return SpecDecodeSnapshot(
             self.drafts - earlier.drafts,
             self.draft_tokens - earlier.draft_tokens,
             self.accepted - earlier.accepted,
             tuple(a - b for a, b in zip(self.accepted_per_position, earlier.accepted_per_position)),
         )
 
+    def counters(self) -> AcceptanceCounters:
+        """The pooled counters (K = length of the per-position vector; proposed@k = drafts)."""
+        k = len(self.accepted_per_position)
+        return AcceptanceCounters(
+            k,
+            rounds=self.drafts,
+            proposed=self.draft_tokens,
+            accepted=self.accepted,
+            accepted_per_position=list(self.accepted_per_position),
+            proposed_per_position=[self.drafts] * k,
+        )
+
 
 @dataclass(frozen=True)
-class AcceptanceReport:
-    """Pooled acceptance of one measured run, with the sample counts needed to judge it."""
+class ServingReport:
+    """Pooled acceptance of one served run, with the sample counts needed to judge it."""
 
-    counters: SpecDecodeCounters
-    num_speculative_tokens: int
+    counters: AcceptanceCounters
     requests: int
     generated_tokens: int
     failures: int
     truncated: int
 
     @property
-    def mal(self) -> float:
-        """Mean acceptance length, bonus-inclusive, pooled over every draft round of every request."""
-        return 1.0 + self.counters.accepted / self.counters.drafts if self.counters.drafts else float("nan")
-
-    @property
     def full_rounds(self) -> bool:
-        """Whether every round proposed K tokens (so proposed@k = drafts exactly)."""
-        return self.counters.draft_tokens == self.num_speculative_tokens * self.counters.drafts
-
-    def positions(self) -> list[tuple[int, int, int, float, float]]:
-        """Per position k = 1..K: (k, accepted@k, proposed@k, rate@k, conditional@k)."""
-        rows = []
-        previous = self.counters.drafts
-        for k, accepted in enumerate(self.counters.accepted_per_position, start=1):
-            proposed = self.counters.drafts
-            rows.append((k, accepted, proposed, _ratio(accepted, proposed), _ratio(accepted, previous)))
-            previous = accepted
-        return rows
+        """Whether every round proposed K tokens, so that proposed@k = rounds exactly."""
+        return self.counters.proposed == self.counters.num_speculative_tokens * self.counters.rounds
 
     def format(self, title: str) -> str:
-        """A plain-text report: definitions, MAL, per-position table, sample counts, failures, truncations."""
+        """A plain-text report: MAL, sample counts, failures, truncations, per-position table."""
         c = self.counters
         lines = [
-            f"{title}: MAL {self.mal:.3f} = 1 + {c.accepted} accepted / {c.drafts} drafts "
-            f"(K={self.num_speculative_tokens}, pooled over {self.requests} requests)",
-            f"  requests {self.requests}, generated tokens {self.generated_tokens}, draft rounds {c.drafts}, "
-            f"proposed tokens {c.draft_tokens}, failures {self.failures}, truncated at max_tokens {self.truncated}",
+            f"{title}: MAL {c.mal:.3f} = 1 + {c.accepted} accepted / {c.rounds} draft rounds "
+            f"(K={c.num_speculative_tokens}, pooled over {self.requests} requests)",
+            f"  requests {self.requests}, generated tokens {self.generated_tokens}, draft rounds {c.rounds}, "
+            f"proposed tokens {c.proposed}, failures {self.failures}, truncated at max_tokens {self.truncated}",
             "  k  accepted@k  proposed@k  accepted@k/proposed@k  conditional (accepted@k/accepted@k-1)",
         ]
-        lines += [f"  {k:<2} {a:>10}  {p:>10}  {r:>21.3f}  {q:>10.3f}" for k, a, p, r, q in self.positions()]
+        lines += [
+            f"  {p.k:<2} {p.accepted:>10}  {p.proposed:>10}  {p.rate:>21.3f}  {p.conditional:>10.3f}"
+            for p in c.positions()
+        ]
         if not self.full_rounds:
             lines.append(
-                f"  note: {c.draft_tokens} proposed tokens != K x drafts = {self.num_speculative_tokens * c.drafts}; "
+                f"  note: {c.proposed} proposed tokens != K x rounds = {c.num_speculative_tokens * c.rounds}; "
                 "proposed@k is an upper bound"
             )
         return "\n".join(lines)
-
-
-def _ratio(numerator: int, denominator: int) -> float:
-    return numerator / denominator if denominator else float("nan")
 
 
 def first_mismatches(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]]) -> dict[int, int]:

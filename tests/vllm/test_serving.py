@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 
 from dflash_train.vllm_plugin.acceptance import first_mismatches
-from dflash_train.vllm_plugin.serving import serve
+from dflash_train.vllm_plugin.serving import default_num_speculative_tokens, serve
 
 # vLLM 0.32: DFlash2's candidate head runs only in the V2 model runner, which needs Triton (GPU).
 # On CPU the V1 runner is chosen and refuses the draft at engine configuration.
 DFLASH2_CPU_LIMITATION = "Model Runner V1 does not support: DFlash candidate-head drafts"
+EXPORTS = {"untrained_run": "untrained_export", "trained_run": "trained_dflash_export"}
 
 
 def test_target_only_run_decodes_every_request(target_only_run, serving_requests):
@@ -33,20 +34,22 @@ def test_speculative_greedy_output_equals_target_only(draft, request, target_onl
 def test_spec_decode_counters_are_reported_and_consistent(draft, request):
     run, acceptance = request.getfixturevalue(draft)
     counters = acceptance.counters
-    assert counters.drafts > 0 and acceptance.failures == 0
+    assert counters.rounds > 0 and acceptance.failures == 0
     assert acceptance.full_rounds, "every draft round proposes K tokens"
-    assert len(counters.accepted_per_position) == acceptance.num_speculative_tokens
+    assert counters.num_speculative_tokens == default_num_speculative_tokens(request.getfixturevalue(EXPORTS[draft]))
     assert sum(counters.accepted_per_position) == counters.accepted
-    assert list(counters.accepted_per_position) == sorted(counters.accepted_per_position, reverse=True)
+    assert counters.accepted_per_position == sorted(counters.accepted_per_position, reverse=True)
     # every round yields at least its bonus token; each request's first token comes from prefill
-    assert counters.drafts <= acceptance.generated_tokens - acceptance.requests
+    assert counters.rounds <= acceptance.generated_tokens - acceptance.requests
 
 
 def test_trained_draft_accepts_more_than_untrained(trained_run, untrained_run):
     _, trained = trained_run
     _, untrained = untrained_run
-    assert trained.num_speculative_tokens == untrained.num_speculative_tokens
-    assert trained.mal > untrained.mal, f"trained MAL {trained.mal:.3f} <= untrained MAL {untrained.mal:.3f}"
+    assert trained.counters.num_speculative_tokens == untrained.counters.num_speculative_tokens
+    assert trained.counters.mal > untrained.counters.mal, (
+        f"trained MAL {trained.counters.mal:.3f} <= untrained MAL {untrained.counters.mal:.3f}"
+    )
 
 
 def test_dflash2_draft_on_vllm_cpu_fails_with_vllms_stated_limitation(served_target, serving_requests, dflash2_export):
