@@ -72,7 +72,8 @@ def _run(args: argparse.Namespace):
     from dflash_train.evaluate.run import BASELINE, DRAFT, evaluate, prepare, rerun_failed
 
     if args.rerun_failed:
-        given = [flag for flag in ("target", "config_name", "draft", "baseline", "cuts", "manifest") if getattr(args, flag)]
+        own = ("target", "config_name", "draft", "baseline", "cuts", "manifest")
+        given = [flag for flag in own if getattr(args, flag)]
         if given:
             raise UsageError(f"--rerun-failed takes its settings from the report; drop --{given[0].replace('_', '-')}")
         report = rerun_failed(EvalReport.read_json(args.rerun_failed))

@@ -104,9 +104,11 @@ class ExposureEstimate:
                 f"(audio > {self.long_audio_seconds:g} s)",
                 f"  over {self.batches} sampled batches ({self.short_only_batches} with short audio only, "
                 "counted in the denominator)",
-                f"  examples: {self.examples} ({self.long_examples} long = {_percent(self.long_examples, self.examples)})",
+                f"  examples: {self.examples} ({self.long_examples} long, "
+                f"{_percent(self.long_examples, self.examples)})",
                 f"  expected anchors: {self.anchors:.0f} ({self.long_anchors:.0f} in long examples); block_size "
-                f"{self.block_size}, num_anchors {self.num_anchors} per row, {'packed' if self.packed else 'padded'} rows",
+                f"{self.block_size}, num_anchors {self.num_anchors} per row, "
+                f"{'packed' if self.packed else 'padded'} rows",
                 "  an estimate: anchors are drawn at random, and several ranks shard the data between them",
             ]
         )
@@ -134,8 +136,8 @@ def estimate_exposure(
 
 def recipe_batches(run, target, count: int) -> Iterable[list[Example]]:
     """The first ``count`` batches the recipe's training sampler yields (rank 0 of one process)."""
-    from dflash_train.data.module import SpeechDataModule
     from dflash_train.data.estimator import AudioTokenEstimator
+    from dflash_train.data.module import SpeechDataModule
     from dflash_train.data.sampling import build_sampler
 
     module = SpeechDataModule(
@@ -167,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     """Console entry point: 0 on success, 2 on bad arguments, config or data."""
     from dflash_train.data.conversation import DataError
+    from dflash_train.data.prompt import build_prompt_format
     from dflash_train.errors import ConfigError
     from dflash_train.evaluate.loading import compose_recipe, load_target
     from dflash_train.target import TargetLoadError
@@ -179,13 +182,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.batches < 1 or args.long_audio_seconds < 0:
             raise ConfigError("--batches must be >= 1 and --long-audio-seconds >= 0")
         run = compose_recipe(args.config_name, args.config_dir, args.overrides)
-        target = load_target(run.model, "cpu", "float32")
-        from dflash_train.data.prompt import build_prompt_format
-
-        placeholder = build_prompt_format(run.data.prompt_format, target.tokenizer, run.model.audio_locator_tag)
+        target = load_target(run.model, "cpu", "float32")  # its tokenizer and perception lengths are needed
+        prompt_format = build_prompt_format(run.data.prompt_format, target.tokenizer, run.model.audio_locator_tag)
         estimate = estimate_exposure(
             recipe_batches(run, target, args.batches),
-            placeholder.audio_locator_tag_id,
+            prompt_format.audio_locator_tag_id,
             run.dflash.block_size,
             run.dflash.num_anchors,
             run.data.train_ds.packing,

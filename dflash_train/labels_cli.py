@@ -66,7 +66,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         context = load_target_context(
             source, input_config(args), "train", args.prompt_format, args.system_prompt, args.dtype, dev
         )
-        rule = StopRule(args.max_new_tokens, frozenset(args.stop_token_id or default_stop_token_ids(context.prompt_format)))
+        stop_ids = args.stop_token_id or default_stop_token_ids(context.prompt_format)
+        rule = StopRule(args.max_new_tokens, frozenset(stop_ids))
         settings = {
             "target": {**source.to_dict(), "description": source.describe()},
             "target_checkpoint": context.checkpoint(),

@@ -257,7 +257,8 @@ def test_expected_anchors_follow_the_block_and_cap_rules():
     # padded: width 40, block 4 -> anchors at supervised a <= 36; short row: 10 (positions 10..19), long: 27 -> cap 16
     assert exposure.expected_anchors([short, long], -1, 4, 16, packed=False) == [10.0, 16.0]
     # packed: in-document a <= len - 4 -> 7 and 27 valid; 16 drawn from 34
-    assert exposure.expected_anchors([short, long], -1, 4, 16, packed=True) == pytest.approx([7 * 16 / 34, 27 * 16 / 34])
+    packed = exposure.expected_anchors([short, long], -1, 4, 16, packed=True)
+    assert packed == pytest.approx([7 * 16 / 34, 27 * 16 / 34])
     estimate = exposure.estimate_exposure([[short, short], [short, long]], -1, 4, 16, False, 30.0)
     assert (estimate.batches, estimate.short_only_batches, estimate.long_examples) == (2, 1, 1)
     # a batch of two shorts is 20 wide: 7 anchors each; the denominator keeps that short-only batch

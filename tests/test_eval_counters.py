@@ -53,7 +53,7 @@ def test_counters_pool_by_addition_and_refuse_mixed_k():
 def test_report_gives_pooled_mal_not_a_mean_of_per_request_means():
     # one short request accepting everything once, one long request accepting nothing in 9 rounds
     report = EvalReport(SETTINGS, 2, [_sample(0, [7]), _sample(1, [0] * 9)], [])
-    per_request = [report.samples[0].mal("draft", K), report.samples[1].mal("draft", K)]
+    per_request = [AcceptanceCounters.from_rounds(K, s.drafts["draft"].accepted_per_round).mal for s in report.samples]
     assert per_request == [8.0, 1.0] and statistics.mean(per_request) == 4.5
     pooled = 1 + 7 / 10
     assert report.counters("draft").mal == pooled
@@ -100,7 +100,8 @@ def test_a_rerun_merges_only_under_identical_settings_and_never_twice():
 
 
 def test_wer_normalizes_with_whisper_english_and_skips_empty_references():
-    result = corpus_wer(["a", "b", "c"], ["Hello, World!", "anything", "the colour"], ["hello world", "", "the color is"])
+    hypotheses = ["Hello, World!", "anything", "the colour"]
+    result = corpus_wer(["a", "b", "c"], hypotheses, ["hello world", "", "the color is"])
     assert result.errors == 1 and result.reference_words == 5 and result.unscored_ids == ("b",)
     assert result.wer == pytest.approx(1 / 5)
     assert result.to_dict()["normalizer"] == "whisper_normalizer.english.EnglishTextNormalizer"

@@ -47,7 +47,9 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
         "(multimodal_conversation; the last assistant turn is the reply); default %(default)s",
     )
     group.add_argument("--context", help="user text before the audio for records without their own 'context'")
-    group.add_argument("--prompt-format", help="chat format: qwen or nemotron_nano_v3 (default: the recipe's, else qwen)")
+    group.add_argument(
+        "--prompt-format", help="chat format: qwen or nemotron_nano_v3 (default: the recipe's, else qwen)"
+    )
     group.add_argument("--system-prompt", help="system prompt for records without their own (default: the recipe's)")
     group.add_argument("--limit", type=int, help="only the first N records of the input")
     group.add_argument("--sample-id", action="append", help="only the record with this sample id (repeatable)")

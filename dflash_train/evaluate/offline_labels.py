@@ -82,7 +82,8 @@ def relabel(inp: InputConfig, record: Any, text: str) -> Any:
     if inp.type == "lhotse_as_conversation":
         return {**data, "text": text, ORIGINAL_TEXT: data.get("text")}
     turns = data["conversations"]
-    last = max(i for i, t in enumerate(turns) if str(t.get("from", "")).lower() == "assistant" and t.get("type") == "text")
+    is_reply = [str(t.get("from", "")).lower() == "assistant" and t.get("type") == "text" for t in turns]
+    last = max(i for i, reply in enumerate(is_reply) if reply)
     turns[last] = {**turns[last], "value": text, ORIGINAL_VALUE: turns[last]["value"]}
     return data
 

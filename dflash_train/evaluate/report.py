@@ -49,10 +49,6 @@ class SampleResult:
             return None
         return next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
 
-    def mal(self, name: str, k: int) -> float:
-        """This sample's own MAL (reported per sample; the aggregate is always pooled)."""
-        return AcceptanceCounters.from_rounds(k, self.drafts[name].accepted_per_round).mal
-
 
 class ReportMismatch(ValueError):
     """Two reports cannot be merged: different settings or overlapping samples."""
@@ -186,6 +182,7 @@ class EvalReport:
             f"{'':24}" + "".join(f"{name:>16}" for name in names),
         ]
         counters = {name: self.counters(name) for name in names}
+        total = len(self.samples)
 
         def row(label: str, values) -> str:
             return f"{label:24}" + "".join(f"{v:>16}" for v in values)
@@ -196,7 +193,7 @@ class EvalReport:
             row("proposed tokens", [counters[n].proposed for n in names]),
             row("accepted tokens", [counters[n].accepted for n in names]),
             row("generated tokens", [sum(len(x.drafts[n].token_ids) for x in self.samples) for n in names]),
-            row("greedy-equal samples", [f"{len(self.samples) - len(self.mismatches(n))}/{len(self.samples)}" for n in names]),
+            row("greedy-equal samples", [f"{total - len(self.mismatches(n))}/{total}" for n in names]),
             row("truncated samples", [len(self.truncated(n)) for n in names]),
             row("WER speculative", [_percent(self.wer(n).wer) for n in names]),
             "",

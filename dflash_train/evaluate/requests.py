@@ -33,8 +33,7 @@ class EvalRequest:
 
     index: int
     id: str
-    record: Any
-    conversation: Conversation
+    record: Any  # as read from the input (a lhotse cut or a JSON record)
     prompt: Example  # input_ids end with the assistant header; one placeholder per audio
     reference: str
 
@@ -114,7 +113,7 @@ def read_requests(
         except (SampleSkipped, DataError) as err:
             yield RequestFailure(index, rid, f"{type(err).__name__}: {err}")
             continue
-        yield EvalRequest(index, conversation.id, record, conversation, prompt, last_reply(conversation))
+        yield EvalRequest(index, conversation.id, record, prompt, last_reply(conversation))
 
 
 @torch.no_grad()

@@ -137,7 +137,7 @@ def reload(settings: EvalSettings) -> Loaded:
 
     A draft export whose weights changed since is an error: its numbers would not pool.
     """
-    changed = [name for name, digest in settings.draft_sha256.items() if weights_digest(settings.drafts[name]) != digest]
+    changed = [name for name, sha in settings.draft_sha256.items() if weights_digest(settings.drafts[name]) != sha]
     if changed:
         raise ConfigError(f"the weights of draft(s) {changed} changed since the report was written; evaluate anew")
     _, loaded = prepare(
