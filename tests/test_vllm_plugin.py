@@ -1,7 +1,7 @@
 """The vLLM plugin's logic without vLLM: draft aliases, idempotency, the clear backbone failure,
 acceptance arithmetic, and that importing dflash_train never imports vLLM.
 
-The plugin against a real vLLM (and real serving) is tested by ``make test-vllm`` (tests/vllm/).
+The plugin against a real vLLM (and real serving) is tested by ``make test-vllm`` (tests/vllm_serving/).
 """
 
 from __future__ import annotations

