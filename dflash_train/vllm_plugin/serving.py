@@ -185,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     requests = validation_requests(args.cuts, AutoTokenizer.from_pretrained(args.target), args.limit, args.prompt_format)
-    k = args.num_speculative_tokens or default_num_speculative_tokens(args.draft)
     reference = serve(args.target, requests, args.max_tokens)
-    speculative = serve(args.target, requests, args.max_tokens, draft=args.draft, num_speculative_tokens=k)
+    speculative = serve(
+        args.target, requests, args.max_tokens, draft=args.draft, num_speculative_tokens=args.num_speculative_tokens
+    )
     mismatches = first_mismatches(reference.token_ids, speculative.token_ids)
     print(report(speculative).format(f"{args.draft} on {args.target}"))
     print(
