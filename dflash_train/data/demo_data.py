@@ -33,6 +33,11 @@ PREDICATES = [
     "listened to the radio all evening", "cleaned the kitchen after the party", "fed the ducks at the pond",
     "climbed the hill to watch the sunset", "lost the keys in the snow",
 ]
+# Optional endings that multiply the sentence space for larger corpora (see varied_sentences).
+TIMES = [
+    None, "this morning", "last night", "on monday", "after work", "before lunch",
+    "in the spring", "every weekend", "two days ago", "during the storm",
+]
 CONTEXTS = [None, "Transcribe the audio.", "Write down what you hear.", "Repeat what the speaker says."]
 VOICES = ["en-us", "en-gb", "en-gb-scotland", "en-029", "en-us+f3", "en-gb-x-rp+m3"]
 WORDS_PER_MINUTE = [135, 150, 165, 180]
@@ -46,6 +51,28 @@ def demo_sentences(count: int) -> list[str]:
     # A fixed stride coprime with 400 walks all combinations in a mixed-up but reproducible order.
     order = [combos[(i * 137) % len(combos)] for i in range(count)]
     return [f"{SUBJECTS[s].capitalize()} {PREDICATES[p]}." for s, p in order]
+
+
+def varied_sentences(count: int) -> list[str]:
+    """``count`` distinct sentences (at most 4000): every demo sentence with an optional time ending.
+
+    The first ``len(SUBJECTS) * len(PREDICATES)`` combinations of subject and predicate are
+    walked as in :func:`demo_sentences`; the ending changes with a stride of its own, so
+    subjects, predicates and endings all vary along the list.
+    """
+    n_pairs = len(SUBJECTS) * len(PREDICATES)
+    total = n_pairs * len(TIMES)
+    if count > total:
+        raise ValueError(f"at most {total} distinct varied sentences; asked for {count}")
+    pairs = list(product(range(len(SUBJECTS)), range(len(PREDICATES))))
+    out = []
+    for i in range(count):
+        k = (i * 1571) % total  # 1571 is coprime with 4000: a mixed-up walk over every combination
+        s, p = pairs[(k % n_pairs * 137) % n_pairs]
+        time = TIMES[k // n_pairs]
+        tail = f" {time}" if time else ""
+        out.append(f"{SUBJECTS[s].capitalize()} {PREDICATES[p]}{tail}.")
+    return out
 
 
 def _rate(index: int) -> int:
@@ -82,17 +109,27 @@ def _write_jsonl_gz(path: Path, records: list[dict]) -> None:
             handle.write((json.dumps(record, sort_keys=True) + "\n").encode("utf-8"))
 
 
-def write_demo_data(out: str | Path, count: int = 320, val_count: int = 32, jobs: int = 2) -> tuple[Path, Path]:
+def write_demo_data(
+    out: str | Path,
+    count: int = 320,
+    val_count: int = 32,
+    jobs: int = 2,
+    sentences: list[str] | None = None,
+) -> tuple[Path, Path]:
     """Synthesize ``count`` utterances into ``out``; every ``count // val_count``-th one goes to validation.
 
-    Returns the train and validation cut manifests.
+    ``sentences`` (``count`` of them) replaces the demo sentences, e.g. :func:`varied_sentences`
+    for a corpus larger than 400 utterances. Returns the train and validation cut manifests.
     """
     if not 0 < val_count < count:
         raise ValueError(f"val_count={val_count} must be between 1 and count-1={count - 1}")
     out = Path(out).resolve()
     wav_dir = out / "wavs"
     wav_dir.mkdir(parents=True, exist_ok=True)
-    sentences = demo_sentences(count)
+    if sentences is None:
+        sentences = demo_sentences(count)
+    elif len(sentences) != count:
+        raise ValueError(f"{len(sentences)} sentences given for count={count}")
     jobs_list = [
         (text, str(wav_dir / f"demo-{i:04d}.wav"), VOICES[i % len(VOICES)], _rate(i))
         for i, text in enumerate(sentences)

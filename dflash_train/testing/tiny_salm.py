@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional, Sequence
 
 AUDIO_LOCATOR_TAG = "<|audio|>"
 
@@ -69,11 +70,11 @@ class TinySALMSpec:
     encoder_d_model: int = 32
     encoder_layers: int = 1
     n_mels: int = 32
-    lm_head_std: float = 0.5
+    lm_head_std: Optional[float] = 0.5  # None: keep HF's init (a target that will be trained)
     seed: int = 1234
 
 
-def _train_tokenizer(out_dir: Path, vocab_size: int):
+def _train_tokenizer(out_dir: Path, vocab_size: int, corpus: Optional[Sequence[str]] = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -86,7 +87,7 @@ def _train_tokenizer(out_dir: Path, vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(list(corpus) if corpus is not None else _CORPUS * 4, trainer=trainer)
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -182,9 +183,15 @@ def tiny_perception_config(spec: TinySALMSpec, llm_hidden: int) -> dict:
     }
 
 
-def build_tiny_salm(out_dir: str | Path, spec: TinySALMSpec = TinySALMSpec()) -> Path:
+def build_tiny_salm(
+    out_dir: str | Path,
+    spec: TinySALMSpec = TinySALMSpec(),
+    tokenizer_corpus: Optional[Sequence[str]] = None,
+) -> Path:
     """Build a tiny random-weight SALM and save it in the SALM checkpoint layout; returns ``out_dir``.
 
+    ``tokenizer_corpus`` trains the BPE tokenizer on those texts instead of the built-in
+    sentences (a target that will be trained on a corpus wants its words as whole tokens).
     Deterministic given ``spec.seed``. Needs no network access.
     """
     import torch
@@ -193,7 +200,7 @@ def build_tiny_salm(out_dir: str | Path, spec: TinySALMSpec = TinySALMSpec()) ->
     out_dir = Path(out_dir)
     backbone_dir = out_dir / "llm_backbone"
     backbone_dir.mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer(out_dir, spec.tokenizer_vocab)
+    tok = _train_tokenizer(out_dir, spec.tokenizer_vocab, tokenizer_corpus)
     vocab_size = len(tok) + spec.spare_embedding_rows
     _qwen3_config(spec, vocab_size, tok).save_pretrained(backbone_dir)
 
@@ -210,9 +217,10 @@ def build_tiny_salm(out_dir: str | Path, spec: TinySALMSpec = TinySALMSpec()) ->
     }
     torch.manual_seed(spec.seed)
     model = SALM(cfg)
-    with torch.no_grad():
-        # HF's 0.02 init gives near-uniform logits (std ~0.16); a trained LM head gives peaked ones.
-        model.llm.lm_head.weight.normal_(0.0, spec.lm_head_std)
+    if spec.lm_head_std is not None:
+        with torch.no_grad():
+            # HF's 0.02 init gives near-uniform logits (std ~0.16); a trained LM head gives peaked ones.
+            model.llm.lm_head.weight.normal_(0.0, spec.lm_head_std)
     model.save_pretrained(out_dir)
     _make_paths_relative(out_dir)
     return out_dir

@@ -1,0 +1,232 @@
+"""Acceptance benchmark on the reference target: teacher-forced accept_len vs serving MAL.
+
+    .venv/bin/python benchmarks/acceptance.py [--steps 200] [--label-limit 600] [--eval-limit 100]
+
+Needs the stored target (``benchmarks/reference_target``) and its synthesized corpus
+(``benchmarks/train_reference_target.py`` builds both; the corpus alone is rebuilt here when
+missing). Everything it writes goes to ``benchmarks/.work/acceptance`` (git-ignored).
+
+1. Offline labels (the ``dflash-labels`` workflow): the target's greedy transcripts of the first
+   ``--label-limit`` training utterances and of the held-out test utterances.
+2. Four drafts on one budget (``conf/demo.yaml`` with overrides, i.e. the demo's code path and its
+   scaled-down recipe: 2 draft layers, B=8, gamma 4, 32 anchors, AdamW 2e-3):
+   ``dflash`` and ``dflash2`` on the offline labels (``label_source=ground_truth`` on the labelled
+   file, validated on the labelled test set), and ``dflash2`` trained on the original transcripts
+   with ``label_source=target_argmax`` and with ``label_source=ground_truth`` (validated on the
+   original test set).
+3. All four drafts through the reference speculative decoder on the same held-out utterances in
+   one pass at K = block_size - 1: pooled MAL, per-position acceptance, greedy equivalence, WER.
+
+Prints one table and writes ``results.json`` (and the full ``eval.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from train_reference_target import OUT as TARGET_DIR  # noqa: E402
+from train_reference_target import WORK, corpus  # noqa: E402
+
+# name -> (draft variant, training data, label_source)
+VARIANTS = {
+    "dflash": ("dflash", "offline", "ground_truth"),
+    "dflash2": ("dflash2", "offline", "ground_truth"),
+    "dflash2-target_argmax": ("dflash2", "original", "target_argmax"),
+    "dflash2-ground_truth": ("dflash2", "original", "ground_truth"),
+}
+
+
+def _first_cuts(source: Path, dest: Path, count: int) -> Path:
+    """The first ``count`` records of a cuts file (the labelled training subset)."""
+    import gzip
+
+    with gzip.open(source, "rt") as handle:
+        lines = [line for _, line in zip(range(count), handle)]
+    with gzip.open(dest, "wt") as handle:
+        handle.writelines(lines)
+    return dest
+
+
+def offline_labels(target: Path, cuts: Path, out: Path, max_new_tokens: int) -> Path:
+    """``dflash-labels --target <reference target> --cuts <cuts> --out <out>``."""
+    from dflash_train.labels_cli import main as labels_main
+
+    rc = labels_main(["--target", str(target), "--cuts", str(cuts), "--out", str(out),
+                      "--max-new-tokens", str(max_new_tokens)])
+    if rc != 0:
+        raise RuntimeError(f"dflash-labels exited with {rc} for {cuts}")
+    return out
+
+
+def train_variant(target: Path, name: str, variant: str, label_source: str, train: Path, val: Path, run_dir: Path,
+                  steps: int, seed: int) -> dict:
+    """Train one draft exactly as ``dflash-train --config-name=demo <overrides>`` would."""
+    from hydra import compose, initialize_config_dir
+
+    from dflash_train.cli import CONFIG_DIR
+    from dflash_train.config import validate_config
+    from dflash_train.train import train as run_training
+
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    overrides = [
+        f"dflash={variant}",
+        f"name=acceptance-{name}",
+        f"seed={seed}",
+        f"model.pretrained_name={target}",
+        f"data.train_ds.input_cfg=[{{type:lhotse_as_conversation,cuts_path:'{train}'}}]",
+        f"data.validation_ds.input_cfg=[{{type:lhotse_as_conversation,cuts_path:'{val}',name:test}}]",
+        "data.train_ds.bucket_estimate_samples=200",
+        f"dflash.label_source={label_source}",
+        f"trainer.max_steps={steps}",
+        f"trainer.val_check_interval={steps}",
+        "trainer.limit_val_batches=8",
+        f"exp_manager.explicit_log_dir={run_dir}",
+    ]
+    if variant == "dflash":
+        overrides.append("~dflash.selector_rank")  # demo.yaml sizes the DFlash2 selector; DFlash has none
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="demo", overrides=overrides)
+    validated = validate_config(cfg)
+    started = time.perf_counter()
+    summary = run_training(validated)
+    wall = time.perf_counter() - started
+    if summary.export_dir is None:
+        raise RuntimeError(f"{name}: training left no export")
+    return {
+        "variant": variant,
+        "label_source": label_source,
+        "steps": summary.steps,
+        "train_wall_s": round(wall, 1),
+        "val_accept_len": summary.val_accept_len,
+        "val_loss": summary.val_loss,
+        "export": str(summary.export_dir),
+        "block_size": validated.run.dflash.block_size,
+    }
+
+
+def evaluate_drafts(target: Path, drafts: dict[str, str], test: Path, limit: int | None, max_new_tokens: int, out: Path) -> dict:
+    """All drafts through the reference decoder on identical samples, one pass (what ``dflash-eval`` runs)."""
+    from dflash_train.config.schema import InputConfig
+    from dflash_train.evaluate.loading import TargetSource
+    from dflash_train.evaluate.run import evaluate, prepare
+
+    settings, loaded = prepare(
+        TargetSource(checkpoint=str(target)),
+        drafts,
+        InputConfig(type="lhotse_as_conversation", cuts_path=str(test)),
+        max_new_tokens=max_new_tokens,
+        limit=limit,
+    )
+    report = evaluate(settings, loaded)
+    report.write_json(out)
+    return report.to_dict()
+
+
+def _fmt(value, digits: int = 2) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def table(results: dict) -> list[str]:
+    """The benchmark table (markdown)."""
+    k = results["K"]
+    head = ("| variant | training labels | label_source | steps | train wall | teacher-forced val accept_len "
+            "| serving MAL (pooled) | MAL / accept_len | greedy equal | acceptance@1..K |")
+    lines = [head, "|" + "---|" * 10]
+    for name, row in results["variants"].items():
+        rates = " ".join(_fmt(p["acceptance"]) for p in row["per_position"])
+        ratio = row["mal"] / row["val_accept_len"] if row["val_accept_len"] else None
+        lines.append(
+            f"| {name} | {row['training_data']} | {row['label_source']} | {row['steps']} | "
+            f"{row['train_wall_s']:.0f} s | {_fmt(row['val_accept_len'])} | {_fmt(row['mal'])} | {_fmt(ratio)} | "
+            f"{'yes' if row['greedy_equal'] else 'NO'} | {rates} |"
+        )
+    lines.append("")
+    lines.append(
+        f"K = {k}; {results['samples_evaluated']} held-out utterances, {results['rounds_note']}; "
+        f"target-only WER {100 * results['target_wer']:.1f} %, speculative WER "
+        + ", ".join(f"{n} {100 * r['wer']:.1f} %" for n, r in results["variants"].items())
+        + f"; total wall time {results['total_wall_s'] / 60:.1f} min."
+    )
+    return lines
+
+
+def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed: int, max_new_tokens: int,
+        variants: list[str], work: Path) -> dict:
+    started = time.perf_counter()
+    if not (target / "model.safetensors").exists():
+        raise SystemExit(f"no reference target in {target}: run benchmarks/train_reference_target.py")
+    train_cuts, test_cuts, _ = corpus()
+    work.mkdir(parents=True, exist_ok=True)
+    subset = _first_cuts(train_cuts, work / "train_subset.jsonl.gz", label_limit)
+    test_subset = test_cuts if eval_limit is None else _first_cuts(test_cuts, work / "test_subset.jsonl.gz", eval_limit)
+    t0 = time.perf_counter()
+    train_labels = offline_labels(target, subset, work / "train_labels.jsonl.gz", max_new_tokens)
+    test_labels = offline_labels(target, test_subset, work / "test_labels.jsonl.gz", max_new_tokens)
+    labels_wall = time.perf_counter() - t0
+
+    rows = {}
+    for name in variants:
+        variant, data, label_source = VARIANTS[name]
+        train, val = (train_labels, test_labels) if data == "offline" else (subset, test_subset)
+        rows[name] = train_variant(target, name, variant, label_source, train, val, work / "runs" / name, steps, seed)
+        rows[name]["training_data"] = "target's greedy (offline)" if data == "offline" else "original transcripts"
+
+    t0 = time.perf_counter()
+    report = evaluate_drafts(target, {n: r["export"] for n, r in rows.items()}, test_subset, None, max_new_tokens,
+                             work / "eval.json")
+    eval_wall = time.perf_counter() - t0
+    for name, row in rows.items():
+        draft = report["drafts"][name]
+        row.update(mal=draft["acceptance"]["mal"], rounds=draft["acceptance"]["rounds"],
+                   per_position=draft["acceptance"]["per_position"], greedy_equal=draft["greedy_equal"],
+                   wer=draft["wer"]["wer"], truncated=len(draft["truncated_ids"]))
+    k = report["settings"]["num_speculative_tokens"]
+    results = {
+        "K": k,
+        "samples_evaluated": report["samples_evaluated"],
+        "failures": len(report["failures"]),
+        "rounds_note": "max_new_tokens %d, %d target-only truncations" % (
+            max_new_tokens, len(report["target_only"]["truncated_ids"])),
+        "target_wer": report["target_only"]["wer"]["wer"],
+        "target": str(target),
+        "labelled_train_utterances": label_limit,
+        "labels_wall_s": round(labels_wall, 1),
+        "eval_wall_s": round(eval_wall, 1),
+        "total_wall_s": round(time.perf_counter() - started, 1),
+        "variants": rows,
+    }
+    (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=str(TARGET_DIR), help="SALM checkpoint (default: the reference target)")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per draft (same for every variant)")
+    parser.add_argument("--label-limit", type=int, default=600, help="training utterances labelled and trained on")
+    parser.add_argument("--eval-limit", type=int, default=None, help="held-out utterances evaluated (default all)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--work", default=str(WORK / "acceptance"), help="output directory")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    results = run(Path(args.target).resolve(), args.steps, args.label_limit, args.eval_limit, args.seed, args.max_new_tokens, args.variants,
+                  Path(args.work))
+    print("\n".join(table(results)))
+    return 0 if results["failures"] == 0 and all(r["greedy_equal"] for r in results["variants"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
