@@ -175,9 +175,10 @@ class ContextRecomputingProposer(DraftProposer):
             position_ids=torch.arange(0, position + k + 1)[None],
             noise_embedding=self.draft.embed_noise_block(self._embedder, block),
             target_hidden=self.verified[None],
+            **self.variant.forward_kwargs(k),
         )[:, 1:]
         logits = self.draft.compute_logits(hidden, self.target.lm_head).float()
-        return self.pick(self.draft, hidden, logits, bonus)
+        return self.variant.pick(self.draft, hidden, logits, bonus)
 
     def extend(self, token_ids, features):
         self.verified = torch.cat([self.verified, features])

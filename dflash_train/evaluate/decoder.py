@@ -121,8 +121,16 @@ def speculative_decode(
             return out
 
 
-# How a variant turns the draft's K hidden states into K tokens: (draft, hidden [1,K,H], logits [1,K,V], bonus).
-TokenPicker = Callable[[nn.Module, torch.Tensor, torch.Tensor, int], list[int]]
+@dataclass(frozen=True)
+class VariantDecoding:
+    """What differs between variants at decode time, as vLLM runs them.
+
+    ``pick`` turns the draft's K hidden states and logits into K tokens (``bonus`` precedes
+    the first); ``forward_kwargs(k)`` are extra draft-forward arguments for a K+1 query block.
+    """
+
+    pick: Callable[[nn.Module, torch.Tensor, torch.Tensor, int], list[int]]
+    forward_kwargs: Callable[[int], dict]
 
 
 def _argmax_tokens(draft: nn.Module, hidden: torch.Tensor, logits: torch.Tensor, bonus: int) -> list[int]:
@@ -135,7 +143,11 @@ def _selector_walk_tokens(draft: nn.Module, hidden: torch.Tensor, logits: torch.
     return path[0].tolist()
 
 
-TOKEN_PICKERS: dict[str, TokenPicker] = {"dflash": _argmax_tokens, "dflash2": _selector_walk_tokens}
+VARIANT_DECODING: dict[str, VariantDecoding] = {
+    "dflash": VariantDecoding(_argmax_tokens, lambda k: {}),
+    # DFlash2's in-block convolutions span the whole query block: vLLM sets their block to 1 + K.
+    "dflash2": VariantDecoding(_selector_walk_tokens, lambda k: {"conv_block_size": k + 1}),
+}
 
 
 class _EmbeddingOwner:
@@ -157,7 +169,7 @@ class DraftProposer:
         self.draft = draft.eval()
         self.target = target
         self.num_speculative_tokens = num_speculative_tokens
-        self.pick = TOKEN_PICKERS[variant_for_architecture(draft.config.architectures[0]).name]
+        self.variant = VARIANT_DECODING[variant_for_architecture(draft.config.architectures[0]).name]
         self._embedder = _EmbeddingOwner(target.embed_tokens)
         self._cache = None
         self._pending: torch.Tensor | None = None
@@ -180,11 +192,12 @@ class DraftProposer:
             target_hidden=self._pending[None].to(self.draft.fc.weight.dtype),
             past_key_values=self._cache,
             use_cache=True,
+            **self.variant.forward_kwargs(k),
         )[:, 1:]
         crop_cache(self._cache, position)  # keep verified context only; the query block is re-drafted next round
         self._pending = self._pending[:0]
         logits = self.draft.compute_logits(hidden, self.target.lm_head).float()
-        return self.pick(self.draft, hidden, logits, bonus)
+        return self.variant.pick(self.draft, hidden, logits, bonus)
 
     def extend(self, token_ids: Sequence[int], features: torch.Tensor) -> None:
         self._pending = features

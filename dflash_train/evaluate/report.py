@@ -131,9 +131,10 @@ class EvalReport:
         }
 
     def write_json(self, path: str | Path) -> Path:
+        """Strict JSON: an undefined rate (0/0, e.g. conditional@k after no acceptance) is ``null``."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2, allow_nan=True))
+        path.write_text(json.dumps(_nan_to_none(self.to_dict()), indent=2, allow_nan=False))
         return path
 
     @classmethod
@@ -248,6 +249,16 @@ class EvalReport:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+def _nan_to_none(value):
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_to_none(v) for v in value]
+    return value
 
 
 def _percent(value: float) -> str:
