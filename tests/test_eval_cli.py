@@ -284,3 +284,21 @@ def test_exposure_command_runs_the_recipe_sampler(tiny_salm_dir, demo_data, tmp_
     assert exposure.main(["--config-name", "dflash", "--batches", "2", "--long-audio-seconds", "1000",
                           "--json", str(out), *overrides]) == 0
     assert json.loads(out.read_text())["estimated_long_anchor_fraction"] == 0.0
+
+
+def test_eval_takes_target_prompt_and_data_from_a_user_recipe(tiny_salm_dir, drafts, demo_data, tmp_path, capsys):
+    _, val = demo_data
+    (tmp_path / "my_run.yaml").write_text(
+        "defaults:\n  - dflash\n  - _self_\n"
+        f"model:\n  pretrained_name: {tiny_salm_dir}\n"
+        "data:\n  system_prompt: Answer briefly.\n  train_ds:\n    input_cfg: []\n"
+        f"  validation_ds:\n    input_cfg:\n      - {{type: lhotse_as_conversation, cuts_path: {val}, name: dev}}\n"
+    )
+    report = tmp_path / "r.json"
+    code = eval_cli.main(["--config-dir", str(tmp_path), "--config-name", "my_run", "--draft", str(drafts["dflash"]),
+                          "--limit", "1", "--max-new-tokens", "4", "--device", "cpu", "--json", str(report),
+                          "trainer.precision=32-true", "dflash.draft_num_hidden_layers=2"])
+    assert code == 0, capsys.readouterr()
+    settings = json.loads(report.read_text())["settings"]
+    assert settings["data"]["cuts_path"] == str(val) and settings["system_prompt"] == "Answer briefly."
+    assert settings["target"]["config_name"] == "my_run" and settings["prompt_format"] == "qwen"

@@ -15,7 +15,6 @@ from dflash_train.config.schema import InputConfig
 from dflash_train.data.collate import collate_padded
 from dflash_train.data.prompt import build_prompt_format
 from dflash_train.draft import DraftSpec, build_draft, write_export
-from dflash_train.draft.build import build_draft_config
 from dflash_train.evaluate import (
     AcceptanceCounters,
     DraftProposer,
