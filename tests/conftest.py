@@ -75,6 +75,17 @@ def tiny_run_overrides(salm_dir) -> list[str]:
     ]
 
 
+def pad_rows(rows, pad_id: int):
+    """Right-pad ``(ids, loss_mask)`` lists into ``(input_ids, loss_mask, lengths)`` tensors."""
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad_id)
+    loss = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (r_ids, r_loss) in enumerate(rows):
+        ids[i, : len(r_ids)] = torch.tensor(r_ids, dtype=torch.long)
+        loss[i, : len(r_loss)] = torch.tensor(r_loss, dtype=torch.bool)
+    return ids, loss, torch.tensor([len(r) for r, _ in rows])
+
+
 def chatml_speech_batch(target, speech_batch, texts: list[str], repeat: int = 1):
     """A hand-built ``SpeechBatch``: ChatML prompt with one audio turn, loss on the assistant reply.
 
@@ -89,17 +100,12 @@ def chatml_speech_batch(target, speech_batch, texts: list[str], repeat: int = 1)
         prompt = tok.text_to_ids("<|im_start|>user\nTranscribe: <|audio|><|im_end|>\n<|im_start|>assistant\n")
         reply = tok.text_to_ids((text + " ") * repeat + "<|im_end|>")
         rows.append((prompt + reply, [False] * len(prompt) + [True] * len(reply)))
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), width), target.pad_id)
-    loss = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, (r_ids, r_loss) in enumerate(rows):
-        ids[i, : len(r_ids)] = torch.tensor(r_ids)
-        loss[i, : len(r_loss)] = torch.tensor(r_loss)
+    ids, loss, lengths = pad_rows(rows, target.pad_id)
     n = len(rows)
     return SpeechBatch(
         input_ids=ids,
         loss_mask=loss,
-        lengths=torch.tensor([len(r) for r, _ in rows]),
+        lengths=lengths,
         audios=audios[:n],
         audio_lens=audio_lens[:n],
         audios_per_row=[1] * n,

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import pad_rows
 from dflash_train.target import PlaceholderMismatchError, splice_audio_frames
 
 MASK_ID = 330
@@ -20,13 +21,7 @@ def _encode_prompt(target, text_before, text_after):
 
 
 def _batch(target, rows):
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), width), target.pad_id)
-    loss = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, (r_ids, r_loss) in enumerate(rows):
-        ids[i, : len(r_ids)] = torch.tensor(r_ids)
-        loss[i, : len(r_loss)] = torch.tensor(r_loss)
-    return ids, loss, torch.tensor([len(r) for r, _ in rows])
+    return pad_rows(rows, target.pad_id)
 
 
 def test_real_audio_expands_to_perception_frames_and_stays_aligned(tiny_target, speech_batch):
