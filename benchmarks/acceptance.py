@@ -1,6 +1,6 @@
 """Acceptance benchmark on the reference target: teacher-forced accept_len vs serving MAL.
 
-    .venv/bin/python benchmarks/acceptance.py [--steps 200] [--label-limit 600] [--eval-limit 100]
+    .venv/bin/python benchmarks/acceptance.py [--steps 30] [--label-limit 240] [--eval-limit 50]
 
 Needs the stored target (``benchmarks/reference_target``) and its synthesized corpus
 (``benchmarks/train_reference_target.py`` builds both; the corpus alone is rebuilt here when
@@ -90,7 +90,7 @@ def train_variant(target: Path, name: str, variant: str, label_source: str, trai
         f"dflash.label_source={label_source}",
         f"trainer.max_steps={steps}",
         f"trainer.val_check_interval={steps}",
-        "trainer.limit_val_batches=8",
+        "trainer.limit_val_batches=4",
         f"exp_manager.explicit_log_dir={run_dir}",
     ]
     if variant == "dflash":
@@ -162,14 +162,15 @@ def table(results: dict) -> list[str]:
 
 
 def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed: int, max_new_tokens: int,
-        variants: list[str], work: Path) -> dict:
+        variants: list[str], work: Path, cuts: tuple[Path, Path] | None = None) -> dict:
+    """The whole benchmark; ``cuts`` (train, test) replaces the reference corpus (tests use a tiny one)."""
     started = time.perf_counter()
     if not (target / "model.safetensors").exists():
         raise SystemExit(f"no reference target in {target}: run benchmarks/train_reference_target.py")
-    train_cuts, test_cuts, _ = corpus()
+    train_cuts, test_cuts = cuts if cuts is not None else corpus()[:2]
     work.mkdir(parents=True, exist_ok=True)
     subset = _first_cuts(train_cuts, work / "train_subset.jsonl.gz", label_limit)
-    test_subset = test_cuts if eval_limit is None else _first_cuts(test_cuts, work / "test_subset.jsonl.gz", eval_limit)
+    test_subset = test_cuts if not eval_limit else _first_cuts(test_cuts, work / "test_subset.jsonl.gz", eval_limit)
     t0 = time.perf_counter()
     train_labels = offline_labels(target, subset, work / "train_labels.jsonl.gz", max_new_tokens)
     test_labels = offline_labels(target, test_subset, work / "test_labels.jsonl.gz", max_new_tokens)
@@ -213,9 +214,9 @@ def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=str(TARGET_DIR), help="SALM checkpoint (default: the reference target)")
-    parser.add_argument("--steps", type=int, default=200, help="training steps per draft (same for every variant)")
-    parser.add_argument("--label-limit", type=int, default=600, help="training utterances labelled and trained on")
-    parser.add_argument("--eval-limit", type=int, default=None, help="held-out utterances evaluated (default all)")
+    parser.add_argument("--steps", type=int, default=30, help="training steps per draft (same for every variant)")
+    parser.add_argument("--label-limit", type=int, default=240, help="training utterances labelled and trained on")
+    parser.add_argument("--eval-limit", type=int, default=50, help="held-out utterances evaluated (0: all 100)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))

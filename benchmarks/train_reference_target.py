@@ -32,6 +32,7 @@ CORPUS = WORK / "corpus"
 OUT = ROOT / "benchmarks" / "reference_target"
 COUNT = 2600
 TEST_COUNT = 100
+PROBE_COUNT = 5  # held-out utterances the fast test re-synthesizes and transcribes
 
 
 def target_spec(seed: int):
@@ -64,6 +65,24 @@ def corpus(count: int = COUNT, test_count: int = TEST_COUNT, jobs: int = 2) -> t
     if not test.exists():
         write_demo_data(CORPUS, count, test_count, jobs=jobs, sentences=sentences)
     return train, test, sentences + [c for c in CONTEXTS if c]
+
+
+def held_out_cuts(out: Path, n: int = PROBE_COUNT) -> Path:
+    """Re-synthesize the first ``n`` held-out test utterances exactly as the corpus has them (ids, voice, rate,
+    context) without building the corpus; returns their cuts file."""
+    from dflash_train.data.demo_data import VOICES, _cut_record, _rate, _speak, _write_jsonl_gz, varied_sentences
+
+    sentences = varied_sentences(COUNT)
+    stride = COUNT // TEST_COUNT
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for i in range(0, stride * n, stride):
+        wav = out / "wavs" / f"demo-{i:04d}.wav"
+        _speak((sentences[i], str(wav), VOICES[i % len(VOICES)], _rate(i)))
+        records.append(_cut_record(i, sentences[i], wav))
+    path = out / "held_out_cuts.jsonl.gz"
+    _write_jsonl_gz(path, records)
+    return path
 
 
 def _data_config(train: Path, test: Path, batch_size: int, seed: int):
@@ -197,9 +216,13 @@ def transcribe(target_dir: Path, cuts: Path, limit: int | None = None, max_new_t
 
 
 def write_card(facts: dict, evaluation: dict) -> None:
+    from dflash_train.evaluate.wer import corpus_wer
+
     wer = evaluation["wer"]
+    probe = evaluation["examples"][:PROBE_COUNT]
+    probe_wer = corpus_wer([e["id"] for e in probe], [e["hypothesis"] for e in probe], [e["reference"] for e in probe])
     card = {**facts, "test_samples": evaluation["samples"], "test_wer": wer["wer"], "test_wer_detail": wer,
-            "test_truncated": evaluation["truncated"], "examples": evaluation["examples"][:5]}
+            "test_truncated": evaluation["truncated"], "probe_wer": probe_wer.wer, "probe": probe}
     (OUT / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     size_mb = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file()) / 2**20
     examples = "\n".join(f"| {e['reference']} | {e['hypothesis']} |" for e in evaluation["examples"][:5])
@@ -240,7 +263,9 @@ held-out teacher-forced loss {facts['val_loss']:.3f}, token accuracy {facts['val
 Target-only greedy WER on the {evaluation['samples']} held-out utterances (Whisper English normalizer,
 jiwer): **{100 * wer['wer']:.1f} %** ({wer['errors']} errors / {wer['reference_words']} words;
 {wer['substitutions']} sub, {wer['deletions']} del, {wer['insertions']} ins);
-{len(evaluation['truncated'])} replies without a stop token within 48 tokens. `card.json` holds these numbers.
+{len(evaluation['truncated'])} replies without a stop token within 48 tokens. On the first {PROBE_COUNT} held-out
+utterances (the ones `tests/test_reference_benchmark.py` re-synthesizes) WER is {100 * probe_wer.wer:.1f} %.
+`card.json` holds these numbers and those {PROBE_COUNT} transcripts.
 
 | reference | target transcript |
 |---|---|

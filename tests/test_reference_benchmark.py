@@ -1,0 +1,77 @@
+"""The reference benchmark: the stored target transcribes, and the acceptance benchmark runs end to end.
+
+Both tests need espeak-ng (the held-out audio is re-synthesized, never stored) and run offline.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+TARGET = BENCH / "reference_target"
+
+pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng is not installed")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import acceptance
+        import train_reference_target
+
+        yield train_reference_target, acceptance
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def held_out(bench, tmp_path_factory):
+    """The first held-out test utterances, re-synthesized exactly as the stored target's card measured them."""
+    return bench[0].held_out_cuts(tmp_path_factory.mktemp("held_out"))
+
+
+def test_stored_target_is_small_and_in_salm_layout():
+    files = {p.relative_to(TARGET).as_posix() for p in TARGET.rglob("*") if p.is_file()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "llm_backbone/config.json", "card.json"} <= files
+    config = json.loads((TARGET / "config.json").read_text())
+    assert config["pretrained_llm"] == "llm_backbone" and config["tokenizer_path"] == "."
+    assert "optimizer" not in config and config["pretrained_weights"] is False
+    assert sum((TARGET / f).stat().st_size for f in files) < 20 * 2**20
+
+
+def test_stored_target_transcribes_held_out_within_recorded_band(bench, held_out):
+    train_reference_target, _ = bench
+    card = json.loads((TARGET / "card.json").read_text())
+    result = train_reference_target.transcribe(TARGET, held_out)
+    assert result["samples"] == train_reference_target.PROBE_COUNT
+    # Same audio, same float32 greedy decoding: the card's transcripts come back; allow one word of drift.
+    assert [e["id"] for e in result["examples"]] == [e["id"] for e in card["probe"]]
+    words = result["wer"]["reference_words"]
+    assert abs(result["wer"]["wer"] - card["probe_wer"]) <= 1.0 / words + 1e-9
+    assert result["wer"]["wer"] <= card["test_wer"] + 0.25  # the probe is representative of the recorded WER
+
+
+def test_acceptance_benchmark_smallest_configuration_runs(bench, tmp_path):
+    from dflash_train.data.demo_data import varied_sentences, write_demo_data
+
+    _, acceptance = bench
+    train, test = write_demo_data(tmp_path / "data", 10, 2, jobs=1, sentences=varied_sentences(10))
+    results = acceptance.run(
+        TARGET, steps=2, label_limit=8, eval_limit=None, seed=0, max_new_tokens=24,
+        variants=["dflash", "dflash2"], work=tmp_path / "work", cuts=(train, test),
+    )
+    assert results["K"] == 7 and results["failures"] == 0 and results["samples_evaluated"] == 2
+    for row in results["variants"].values():
+        assert row["steps"] == 2 and row["greedy_equal"]
+        assert 1.0 <= row["mal"] <= 8.0 and len(row["per_position"]) == 7
+        assert row["wer"] == results["target_wer"]  # greedy equality: speculative WER equals target-only WER
+    lines = acceptance.table(results)
+    assert lines[0].startswith("| variant |") and sum(line.startswith("| dflash") for line in lines) == 2
+    assert (tmp_path / "work" / "results.json").exists()
