@@ -194,3 +194,24 @@ def test_custom_optimizer_and_gradient_clipping(tiny_salm_dir, batches, tmp_path
     ckpt = torch.load(tmp_path / "sgd" / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     group = ckpt["optimizer_states"][0]["param_groups"][0]
     assert group["lr"] == 1.0 and "momentum" in group and "betas" not in group  # SGD, not the default AdamW
+
+
+def test_interrupted_run_keeps_its_checkpoint_and_writes_no_export(tiny_salm_dir, batches, tmp_path, caplog):
+    class InterruptedStream(ListDataModule):
+        """Ctrl-C arrives while the third batch is fetched (prefetched during step 2)."""
+
+        def train_dataloader(self):
+            def stream():
+                yield from self.train * 2
+                raise KeyboardInterrupt
+
+            return stream()
+
+    validated = _recipe(tiny_salm_dir, tmp_path, "trainer.max_steps=5", "exp_manager.checkpoint_every_n_steps=1")
+    with caplog.at_level("ERROR"), pytest.raises(SystemExit):  # Lightning exits 1 after a graceful shutdown
+        train(validated, lambda run, target: InterruptedStream(*batches))
+    assert not (tmp_path / "export").exists()
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    step = ckpt["global_step"]  # Lightning prefetches one batch, so the interrupt lands before step 2 runs
+    assert step == 1
+    assert f"KeyboardInterrupt at step {step}: no final export was written" in caplog.text

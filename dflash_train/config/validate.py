@@ -174,6 +174,11 @@ def _check_rules(run: RunConfig) -> None:
             f"parallel ep_size) are; set trainer.strategy.{axis}=1",
         )
     _require(
+        strategy.ep_size == 1,
+        f"trainer.strategy.ep_size={strategy.ep_size}: expert parallelism of the target needs nemo_automodel's GPU "
+        "target path, which this build does not include; set trainer.strategy.ep_size=1",
+    )
+    _require(
         strategy.name in STRATEGIES,
         f"trainer.strategy.name='{strategy.name}' is unknown; choose one of {list(STRATEGIES)}",
     )
