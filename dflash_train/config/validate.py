@@ -170,8 +170,8 @@ def _check_rules(run: RunConfig) -> None:
         value = getattr(strategy, axis)
         _require(
             value == 1,
-            f"trainer.strategy.{axis}={value} is not supported: only data-parallel FSDP2/DDP (and expert "
-            f"parallel ep_size) are; set trainer.strategy.{axis}=1",
+            f"trainer.strategy.{axis}={value} is not supported: only data-parallel FSDP2/DDP is; "
+            f"set trainer.strategy.{axis}=1",
         )
     _require(
         strategy.ep_size == 1,
