@@ -29,5 +29,5 @@ $(VLLM_STAMP): pyproject.toml tests/vllm_serving/constraints.txt scripts/setup_v
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	@[ -f runs/demo/export/config.json ] && [ -f runs/demo/target/config.json ] || $(MAKE) demo
 	@grep -q '"DFlashDraftModel"' runs/demo/export/config.json || [ -f runs/demo-dflash/export/config.json ] \
-		|| $(PY) -m dflash_train.demo dflash=dflash '~dflash.selector_rank' exp_manager.explicit_log_dir=runs/demo-dflash
+		|| $(PY) -m dflash_train.demo dflash=dflash exp_manager.explicit_log_dir=runs/demo-dflash
 	DFLASH_VLLM_TESTS=1 DFLASH_VLLM_REQUIRE_TRAINED=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_serving

@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from dflash_train.config.schema import LIGHTNING_PRECISION, RunConfig
 from dflash_train.config.validate import ValidatedConfig
 from dflash_train.draft.build import DraftSpec, build_draft, warm_start
+from dflash_train.draft.variants import VARIANT_REGISTRY
 from dflash_train.draft.export import full_state_dict, verify_export, write_export
 from dflash_train.errors import ConfigError
 from dflash_train.module import DFlashDraftModule, ModuleSettings, OptimSettings
@@ -65,6 +66,9 @@ class TrainSummary:
             f"export: {self.export_dir}",
             "serve: " + serve_command(target, self.export_dir.resolve(), run.dflash.block_size - 1),
         ]
+        note = VARIANT_REGISTRY[run.dflash.variant].serving_note
+        if note:
+            lines.append(f"note: {note}")
         return lines
 
 

@@ -16,7 +16,8 @@ class DraftVariant:
 
     ``draft_cls`` / ``trainer_cls`` are nemo_automodel's draft model and trainer core;
     ``export_architecture`` is the class name vLLM's registry knows; ``extra_config_keys``
-    are the ``dflash.*`` keys copied into the exported ``dflash_config``.
+    are the ``dflash.*`` keys copied into the exported ``dflash_config``; ``serving_note`` is what
+    a user must know before serving the export.
     """
 
     name: str
@@ -24,6 +25,7 @@ class DraftVariant:
     extra_config_keys: tuple[str, ...]
     trainer_kwargs: Callable[[DFlashConfig], dict]
     load_classes: Callable[[], tuple[type[nn.Module], type[nn.Module]]]
+    serving_note: str = ""
 
 
 def _dflash_classes():
@@ -57,6 +59,10 @@ VARIANT_REGISTRY: dict[str, DraftVariant] = {
         extra_config_keys=("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
         trainer_kwargs=_dflash2_trainer_kwargs,
         load_classes=_dflash2_classes,
+        serving_note=(
+            "vLLM serves DFlash2 drafts only with its V2 model runner (GPU, Triton); "
+            "for vLLM's CPU build train a DFlash draft (dflash=dflash)"
+        ),
     ),
 }
 
