@@ -37,6 +37,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from train_reference_target import OUT as TARGET_DIR  # noqa: E402
 from train_reference_target import WORK, corpus  # noqa: E402
 
+DFLASH2_SELECTOR_RANK = 32  # scaled down with the draft (recipe default 256)
+
 # name -> (draft variant, training data, label_source)
 VARIANTS = {
     "dflash": ("dflash", "offline", "ground_truth"),
@@ -72,6 +74,7 @@ def train_variant(target: Path, name: str, variant: str, label_source: str, trai
                   steps: int, seed: int) -> dict:
     """Train one draft exactly as ``dflash-train --config-name=demo <overrides>`` would."""
     from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
 
     from dflash_train.cli import CONFIG_DIR
     from dflash_train.config import validate_config
@@ -93,10 +96,13 @@ def train_variant(target: Path, name: str, variant: str, label_source: str, trai
         "trainer.limit_val_batches=4",
         f"exp_manager.explicit_log_dir={run_dir}",
     ]
-    if variant == "dflash":
-        overrides.append("~dflash.selector_rank")  # demo.yaml sizes the DFlash2 selector; DFlash has none
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="demo", overrides=overrides)
+    with open_dict(cfg):  # the selector size is pinned here so the benchmark does not follow demo.yaml edits
+        if variant == "dflash":
+            cfg.dflash.pop("selector_rank", None)  # DFlash has no selector
+        else:
+            cfg.dflash.selector_rank = DFLASH2_SELECTOR_RANK
     validated = validate_config(cfg)
     started = time.perf_counter()
     summary = run_training(validated)
@@ -162,7 +168,8 @@ def table(results: dict) -> list[str]:
 
 
 def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed: int, max_new_tokens: int,
-        variants: list[str], work: Path, cuts: tuple[Path, Path] | None = None) -> dict:
+        variants: list[str], work: Path, cuts: tuple[Path, Path] | None = None,
+        reuse_labels: bool = False) -> dict:
     """The whole benchmark; ``cuts`` (train, test) replaces the reference corpus (tests use a tiny one)."""
     started = time.perf_counter()
     if not (target / "model.safetensors").exists():
@@ -172,8 +179,10 @@ def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed
     subset = _first_cuts(train_cuts, work / "train_subset.jsonl.gz", label_limit)
     test_subset = test_cuts if not eval_limit else _first_cuts(test_cuts, work / "test_subset.jsonl.gz", eval_limit)
     t0 = time.perf_counter()
-    train_labels = offline_labels(target, subset, work / "train_labels.jsonl.gz", max_new_tokens)
-    test_labels = offline_labels(target, test_subset, work / "test_labels.jsonl.gz", max_new_tokens)
+    train_labels, test_labels = work / "train_labels.jsonl.gz", work / "test_labels.jsonl.gz"
+    if not (reuse_labels and train_labels.exists() and test_labels.exists()):
+        offline_labels(target, subset, train_labels, max_new_tokens)
+        offline_labels(target, test_subset, test_labels, max_new_tokens)
     labels_wall = time.perf_counter() - t0
 
     rows = {}
@@ -221,10 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--work", default=str(WORK / "acceptance"), help="output directory")
+    parser.add_argument("--reuse-labels", action="store_true",
+                        help="keep offline labels already in --work from a run with the same target and limits")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     results = run(Path(args.target).resolve(), args.steps, args.label_limit, args.eval_limit, args.seed, args.max_new_tokens, args.variants,
-                  Path(args.work))
+                  Path(args.work), reuse_labels=args.reuse_labels)
     print("\n".join(table(results)))
     return 0 if results["failures"] == 0 and all(r["greedy_equal"] for r in results["variants"].values()) else 1
 
