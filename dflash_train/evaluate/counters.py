@@ -20,7 +20,7 @@ ratio, so the pooled MAL is the only one reported.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 COUNTER_DEFINITIONS = {
     "rounds": "draft rounds: target verification passes, each checking K proposed tokens (vLLM num_drafts)",
@@ -144,3 +144,13 @@ class AcceptanceCounters:
 
 def _ratio(numerator: int, denominator: int) -> float:
     return numerator / denominator if denominator else float("nan")
+
+
+def first_difference(reference: Sequence[int], candidate: Sequence[int]) -> Optional[int]:
+    """First position where two token sequences differ (a prefix ends at the shorter length); ``None`` if equal."""
+    reference, candidate = list(reference), list(candidate)
+    if reference == candidate:
+        return None
+    return next(
+        (i for i, (a, b) in enumerate(zip(reference, candidate)) if a != b), min(len(reference), len(candidate))
+    )

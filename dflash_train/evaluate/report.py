@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from dflash_train.evaluate.counters import COUNTER_DEFINITIONS, AcceptanceCounters
+from dflash_train.evaluate.counters import COUNTER_DEFINITIONS, AcceptanceCounters, first_difference
 from dflash_train.evaluate.requests import RequestFailure
 from dflash_train.evaluate.wer import NORMALIZER, WerResult, corpus_wer
 
@@ -44,10 +44,7 @@ class SampleResult:
 
     def first_mismatch(self, name: str) -> Optional[int]:
         """First output position where draft ``name``'s tokens differ from the target's, or ``None``."""
-        ref, out = self.target.token_ids, self.drafts[name].token_ids
-        if ref == out:
-            return None
-        return next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+        return first_difference(self.target.token_ids, self.drafts[name].token_ids)
 
 
 class ReportMismatch(ValueError):

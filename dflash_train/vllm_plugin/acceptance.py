@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from dflash_train.evaluate.counters import AcceptanceCounters
+from dflash_train.evaluate.counters import AcceptanceCounters, first_difference
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -121,10 +121,5 @@ def first_mismatches(reference: Sequence[Sequence[int]], candidate: Sequence[Seq
     """``{request index: first differing token position}`` for every request whose token ids differ."""
     if len(reference) != len(candidate):
         raise ValueError(f"{len(candidate)} outputs to compare with {len(reference)} references")
-    mismatches = {}
-    for index, (ref, out) in enumerate(zip(reference, candidate)):
-        if list(ref) != list(out):
-            mismatches[index] = next(
-                (pos for pos, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out))
-            )
-    return mismatches
+    found = {index: first_difference(ref, out) for index, (ref, out) in enumerate(zip(reference, candidate))}
+    return {index: position for index, position in found.items() if position is not None}
