@@ -6,7 +6,6 @@ Both tests need espeak-ng (the held-out audio is re-synthesized, never stored) a
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -15,9 +14,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 TARGET = BENCH / "reference_target"
-
-pytestmark = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng is not installed")
-
 
 @pytest.fixture(scope="module")
 def bench():
