@@ -142,8 +142,8 @@ class ExportOnTrainEnd(Callback):
             write_export(self.out_dir, pl_module.draft.config, state)
             count = verify_export(self.out_dir, state)
             log.info("export: wrote %s (%d tensors), reloaded strictly and matched", self.out_dir, count)
-            self.written = self.out_dir
         trainer.strategy.barrier("dflash-export")
+        self.written = self.out_dir  # every rank reports the export rank 0 wrote
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         log.error(

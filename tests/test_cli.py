@@ -90,7 +90,9 @@ def test_torchrun_trains_with_two_fsdp2_ranks(tiny_salm_dir, demo_data, tmp_path
                  *_demo_args(tiny_salm_dir, demo_data, run_dir), "trainer.devices=2",
                  "trainer.strategy.name=fsdp2"], tmp_path, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "steps: 3; final train loss" in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert out.count("steps: 3; final train loss") == 2, "both ranks report the run"
+    assert out.count(f"export: {run_dir / 'export'}") == 2 and "no final export" not in out
     assert (run_dir / "export" / "model.safetensors").exists()
 
 
