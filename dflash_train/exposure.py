@@ -138,14 +138,13 @@ def recipe_batches(run, target, count: int) -> Iterable[list[Example]]:
     """The first ``count`` batches the recipe's training sampler yields (rank 0 of one process)."""
     from dflash_train.data.estimator import AudioTokenEstimator
     from dflash_train.data.module import SpeechDataModule
-    from dflash_train.data.sampling import build_sampler
+    from dflash_train.data.sampling import build_sampler, train_shuffle
 
     module = SpeechDataModule(
         run.data, target.tokenizer, run.model.audio_locator_tag, AudioTokenEstimator.from_target(target), run.seed, 0, 1
     )
     ds = run.data.train_ds
-    shuffle = True if ds.shuffle is None else ds.shuffle
-    sampler = build_sampler(module.train_examples(), ds, shuffle, run.seed, rank=0, world_size=1)
+    sampler = build_sampler(module.train_examples(), ds, train_shuffle(ds), run.seed, rank=0, world_size=1)
     return (list(batch) for batch in islice(sampler, count))
 
 

@@ -19,7 +19,7 @@ from dflash_train.data.examples import Example, ExampleStream, Filters, Preparer
 from dflash_train.data.inputs import input_name, input_path, open_input
 from dflash_train.data.prompt import build_prompt_format
 from dflash_train.data.resume import batches_consumed
-from dflash_train.data.sampling import build_sampler, token_cap
+from dflash_train.data.sampling import build_sampler, token_cap, train_shuffle
 from dflash_train.data.validate import check_data_rules
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class SpeechDataModule(L.LightningDataModule):
                 f"data.train_ds has no usable sample for rank {self.rank} of {self.world_size} in {paths}; "
                 f"skipped: {self.skip_counts()}"
             )
-        shuffle = True if ds.shuffle is None else ds.shuffle
+        shuffle = train_shuffle(ds)
         skip = batches_consumed(self.trainer)
         if skip:
             log.info("data: resuming the training stream after %d batches", skip)

@@ -90,6 +90,11 @@ def token_cap(cfg: DatasetConfig) -> Optional[int]:
     return cfg.max_tokens if cfg.max_tokens is not None else cfg.batch_tokens
 
 
+def train_shuffle(ds) -> bool:
+    """Whether the training stream is shuffled: ``shuffle: null`` means yes for training."""
+    return True if ds.shuffle is None else ds.shuffle
+
+
 def build_sampler(
     examples: Iterable[Example], cfg: DatasetConfig, shuffle: bool, seed: int, rank: int, world_size: int
 ) -> CutSampler:
