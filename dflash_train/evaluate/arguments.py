@@ -6,7 +6,7 @@ import argparse
 from typing import Optional
 
 from dflash_train.config.schema import InputConfig
-from dflash_train.evaluate.loading import DTYPES, TargetSource
+from dflash_train.evaluate.loading import DTYPES, SERVING_PERCEPTION_DTYPE, TargetSource
 
 INPUT_TYPES = ("lhotse_as_conversation", "multimodal_conversation")
 
@@ -70,6 +70,13 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, max_new_tokens: int)
     )
     group.add_argument(
         "--dtype", choices=sorted(DTYPES), default="float32", help="precision of target and draft (default %(default)s)"
+    )
+    group.add_argument(
+        "--perception-dtype",
+        choices=sorted(DTYPES),
+        default=SERVING_PERCEPTION_DTYPE,
+        help="precision of the target's audio encoder and projection (default %(default)s: what vLLM's NeMo SALM "
+        "model runs whatever the serving dtype, so outputs match served tokens)",
     )
     group.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
 

@@ -21,6 +21,10 @@ from dflash_train.errors import ConfigError
 from dflash_train.target import SALMTarget, load_salm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# vLLM's NeMo SALM model (NeMo 3.0.0 ``speechlm2/vllm/salm/model.py``, ``_PERCEPTION_DTYPE``) runs
+# the audio perception in bfloat16 whatever the serving dtype. Evaluating with this default
+# reproduces served tokens; float32 perception flips greedy near-ties on about 1 request in 4.
+SERVING_PERCEPTION_DTYPE = "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -89,16 +93,21 @@ def compose_recipe(config_name: str, config_dir: Optional[str], overrides: Seque
     return validate_config(cfg).run
 
 
-def torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str, option: str = "--dtype") -> torch.dtype:
+    """The torch dtype named ``name``; a one-line error naming ``option`` if there is none."""
     if name not in DTYPES:
-        raise ConfigError(f"--dtype {name} is not one of {sorted(DTYPES)}")
+        raise ConfigError(f"{option} {name} is not one of {sorted(DTYPES)}")
     return DTYPES[name]
 
 
-def load_target(model: ModelConfig, device: str, dtype: str) -> SALMTarget:
-    """The frozen SALM target on ``device`` in ``dtype``."""
-    target = SALMTarget(load_salm(model))
-    return target.to(device=torch.device(device), dtype=torch_dtype(dtype))
+def load_target(
+    model: ModelConfig, device: str, dtype: str, perception_dtype: Optional[str] = None
+) -> SALMTarget:
+    """The frozen SALM target on ``device`` in ``dtype``; its perception in ``perception_dtype`` if given."""
+    target = SALMTarget(load_salm(model)).to(device=torch.device(device), dtype=torch_dtype(dtype))
+    if perception_dtype is not None:
+        target.run_perception_in(torch_dtype(perception_dtype, "--perception-dtype"))
+    return target
 
 
 def load_draft(path: str, target: SALMTarget, device: str, dtype: str) -> nn.Module:
@@ -177,8 +186,9 @@ def load_target_context(
     system_prompt: Optional[str],
     dtype: str,
     device: str,
+    perception_dtype: str = SERVING_PERCEPTION_DTYPE,
 ) -> TargetContext:
-    """Load the target; ``data`` defaults to the recipe's ``split`` input, the prompt to the recipe's."""
+    """Load the target as serving runs it; ``data`` defaults to the recipe's ``split`` input, the prompt to the recipe's."""
     recipe = source.recipe()
     if recipe is not None:
         data = data or recipe_input(recipe, split)
@@ -187,6 +197,6 @@ def load_target_context(
     if data is None:
         raise ConfigError("no data: pass --cuts or --manifest (or a recipe with a single input)")
     model = source.model_config(recipe)
-    target = load_target(model, device, dtype)
+    target = load_target(model, device, dtype, perception_dtype)
     fmt = build_prompt_format(prompt_format or "qwen", target.tokenizer, model.audio_locator_tag)
     return TargetContext(target, model, fmt, AudioTokenEstimator.from_target(target), data, system_prompt)

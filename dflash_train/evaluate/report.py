@@ -175,7 +175,7 @@ class EvalReport:
         lines = [
             f"dflash-eval {status}on {s['target']['description']}: {len(self.samples)} of {self.expected} samples "
             f"evaluated, {len(self.failures)} failed; K={self.k}, max_new_tokens={s['max_new_tokens']}, "
-            f"{s['dtype']} on {s['device']}, greedy",
+            f"{s['dtype']} (perception {s.get('perception_dtype', s['dtype'])}) on {s['device']}, greedy",
             "",
             f"{'':24}" + "".join(f"{name:>16}" for name in names),
         ]

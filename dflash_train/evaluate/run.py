@@ -20,6 +20,7 @@ from dflash_train.config.schema import InputConfig
 from dflash_train.errors import ConfigError
 from dflash_train.evaluate.decoder import Decoded, DraftProposer, StopRule, greedy_decode, speculative_decode
 from dflash_train.evaluate.loading import (
+    SERVING_PERCEPTION_DTYPE,
     TargetContext,
     TargetSource,
     default_stop_token_ids,
@@ -51,6 +52,7 @@ class EvalSettings:
     stop_token_ids: tuple[int, ...]
     dtype: str
     device: str
+    perception_dtype: str = SERVING_PERCEPTION_DTYPE
     draft_sha256: dict[str, str] = field(default_factory=dict)  # name -> weights digest: a re-run uses the same
     limit: Optional[int] = None
     sample_ids: Optional[tuple[str, ...]] = None
@@ -95,6 +97,7 @@ def prepare(
     max_new_tokens: int = 128,
     stop_token_ids: Optional[list[int]] = None,
     dtype: str = "float32",
+    perception_dtype: str = SERVING_PERCEPTION_DTYPE,
     device: str = "cpu",
     limit: Optional[int] = None,
     sample_ids: Optional[list[str]] = None,
@@ -105,7 +108,9 @@ def prepare(
     """
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {max_new_tokens} must be >= 1")
-    context = load_target_context(target, data, "validation", prompt_format, system_prompt, dtype, device)
+    context = load_target_context(
+        target, data, "validation", prompt_format, system_prompt, dtype, device, perception_dtype
+    )
     loaded_drafts = {name: load_draft(path, context.target, device, dtype) for name, path in drafts.items()}
     if num_speculative_tokens is None:
         block_sizes = {name: int(d.block_size) for name, d in loaded_drafts.items()}
@@ -125,6 +130,7 @@ def prepare(
         stop_token_ids=tuple(stop_token_ids or default_stop_token_ids(context.prompt_format)),
         dtype=dtype,
         device=device,
+        perception_dtype=perception_dtype,
         draft_sha256={name: weights_digest(path) for name, path in drafts.items()},
         limit=limit,
         sample_ids=tuple(sample_ids) if sample_ids else None,
@@ -150,6 +156,7 @@ def reload(settings: EvalSettings) -> Loaded:
         max_new_tokens=settings.max_new_tokens,
         stop_token_ids=list(settings.stop_token_ids),
         dtype=settings.dtype,
+        perception_dtype=settings.perception_dtype,
         device=settings.device,
     )
     return loaded

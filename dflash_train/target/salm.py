@@ -37,9 +37,21 @@ class SALMTarget(nn.Module):
     def __init__(self, salm: nn.Module):
         super().__init__()
         self.salm = salm
+        self.perception_dtype: torch.dtype | None = None
         for param in self.salm.parameters():
             param.requires_grad_(False)
         self.train(False)
+
+    def run_perception_in(self, dtype: torch.dtype) -> "SALMTarget":
+        """Run the audio encoder and projection in ``dtype`` and round their output to it.
+
+        Serving does this: vLLM's NeMo SALM model keeps the perception in bfloat16 whatever
+        the LLM's dtype, and the LLM sees bfloat16-rounded audio frames. An evaluation that
+        must produce serving's tokens mirrors it; training leaves the perception alone.
+        """
+        self.salm.perception.to(dtype)
+        self.perception_dtype = dtype
+        return self
 
     def train(self, mode: bool = True) -> "SALMTarget":
         """Stay in eval mode whatever the caller asks (Lightning calls ``train()`` on every fit)."""
@@ -115,13 +127,16 @@ class SALMTarget(nn.Module):
         """Perception output per audio, unpadded: a list of ``[frames_i, H]``."""
         from nemo.collections.speechlm2.parts.encoder_chunking import encode_audio_with_optional_chunking
 
-        return encode_audio_with_optional_chunking(
+        frames = encode_audio_with_optional_chunking(
             self.salm.perception,
             audios,
             audio_lens,
             chunk_size_seconds=self.salm.cfg.get("encoder_chunk_size_seconds", None),
             sampling_rate=self.sampling_rate,
         )
+        if self.perception_dtype is None:
+            return frames
+        return [f.to(self.perception_dtype) for f in frames]
 
     @torch.no_grad()
     def splice_batch(

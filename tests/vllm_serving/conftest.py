@@ -59,6 +59,17 @@ def pytest_terminal_summary(terminalreporter):
 
 
 @pytest.fixture(scope="session")
+def max_tokens() -> int:
+    return MAX_TOKENS
+
+
+@pytest.fixture(scope="session")
+def serving_reports() -> list[str]:
+    """Lines to print in the session summary (append to it)."""
+    return SERVING_REPORTS
+
+
+@pytest.fixture(scope="session")
 def served_target() -> Path:
     target = _path("DFLASH_VLLM_TARGET", "runs/demo/target")
     if not (target / "config.json").exists():
@@ -91,15 +102,20 @@ def trained_dflash_export() -> Path:
 
 
 @pytest.fixture(scope="session")
-def serving_requests(served_target):
+def validation_cuts() -> Path:
+    cuts = _path("DFLASH_VLLM_CUTS", "demo_assets/data/val_cuts.jsonl.gz")
+    if not cuts.exists():
+        pytest.fail(f"no validation cuts at {cuts}: `make test-vllm` synthesizes the demo data")
+    return cuts
+
+
+@pytest.fixture(scope="session")
+def serving_requests(served_target, validation_cuts):
     from transformers import AutoTokenizer
 
     from dflash_train.vllm_plugin.serving import validation_requests
 
-    cuts = _path("DFLASH_VLLM_CUTS", "demo_assets/data/val_cuts.jsonl.gz")
-    if not cuts.exists():
-        pytest.fail(f"no validation cuts at {cuts}: `make test-vllm` synthesizes the demo data")
-    return validation_requests(cuts, AutoTokenizer.from_pretrained(served_target), NUM_REQUESTS)
+    return validation_requests(validation_cuts, AutoTokenizer.from_pretrained(served_target), NUM_REQUESTS)
 
 
 def _untrained_spec(served_target: Path, variant: str):
