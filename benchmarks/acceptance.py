@@ -174,7 +174,7 @@ def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed
     started = time.perf_counter()
     if not (target / "model.safetensors").exists():
         raise SystemExit(f"no reference target in {target}: run benchmarks/train_reference_target.py")
-    train_cuts, test_cuts = cuts if cuts is not None else corpus()[:2]
+    train_cuts, test_cuts = cuts if cuts is not None else corpus()
     work.mkdir(parents=True, exist_ok=True)
     subset = _first_cuts(train_cuts, work / "train_subset.jsonl.gz", label_limit)
     test_subset = test_cuts if not eval_limit else _first_cuts(test_cuts, work / "test_subset.jsonl.gz", eval_limit)

@@ -15,7 +15,7 @@ One command, deterministic given ``--seed`` (single process, CPU, fixed data ord
    its greedy CER/WER on the held-out split. A SALM trained from a random encoder ignores the audio
    (its perception collapses to a near-constant output and the LLM guesses from the grammar), so
    like real SALMs this one starts from an ASR encoder (what NeMo's ``pretrained_asr`` does);
-3. builds a tiny random-weight SALM whose BPE tokenizer is trained on the corpus sentences and
+3. builds a tiny random-weight SALM whose BPE tokenizer is trained on the train-split sentences and
    copies the stage-1 preprocessor + encoder weights into its perception (the modality adapter,
    projection and LLM stay random);
 4. stage 2: trains all of it for ASR with NeMo's own SALM path (``SALMDataset`` + speechlm2
@@ -67,15 +67,14 @@ def target_spec(seed: int):
     )
 
 
-def corpus(count: int = COUNT, test_count: int = TEST_COUNT, jobs: int = 2) -> tuple[Path, Path, list[str]]:
-    """The synthesized corpus (built when missing): train cuts, held-out test cuts, all sentences."""
-    from dflash_train.data.demo_data import CONTEXTS, varied_sentences, write_demo_data
+def corpus(count: int = COUNT, test_count: int = TEST_COUNT, jobs: int = 2) -> tuple[Path, Path]:
+    """The synthesized corpus (built when missing): train cuts and held-out test cuts."""
+    from dflash_train.data.demo_data import varied_sentences, write_demo_data
 
-    sentences = varied_sentences(count)
     train, test = CORPUS / "train_cuts.jsonl.gz", CORPUS / "val_cuts.jsonl.gz"
     if not test.exists():
-        write_demo_data(CORPUS, count, test_count, jobs=jobs, sentences=sentences)
-    return train, test, sentences + [c for c in CONTEXTS if c]
+        write_demo_data(CORPUS, count, test_count, jobs=jobs, sentences=varied_sentences(count))
+    return train, test
 
 
 def held_out_cuts(out: Path, n: int = PROBE_COUNT) -> Path:
@@ -161,7 +160,7 @@ def pretrain_encoder(steps: int, seed: int, batch_size: int, lr: float, vocab_si
     from dflash_train.evaluate.wer import corpus_wer, normalize
     from dflash_train.testing.tiny_salm import tiny_perception_config
 
-    train, test, _ = corpus()
+    train, test = corpus()
     work = WORK / "ctc"
     if work.exists():
         shutil.rmtree(work)
@@ -242,10 +241,14 @@ def train_target(steps: int, seed: int, batch_size: int, lr: float, encoder_stat
 
     from dflash_train.testing.tiny_salm import build_tiny_salm
 
-    train, test, texts = corpus()
+    from dflash_train.data.demo_data import CONTEXTS
+
+    train, test = corpus()
     init_dir = WORK / "target_init"
     if init_dir.exists():
         shutil.rmtree(init_dir)
+    # The tokenizer learns from the train split only: no held-out sentence shapes its vocabulary.
+    texts = _cut_texts(train)[2] + [c for c in CONTEXTS if c]
     build_tiny_salm(init_dir, target_spec(seed), tokenizer_corpus=texts)
 
     L.seed_everything(seed, workers=True)
@@ -387,7 +390,7 @@ Regenerate (deterministic given the seed; corpus and logs go to `benchmarks/.wor
 
 ## Model
 - LLM: Qwen3, hidden 128, 6 layers, 4 query heads / 2 KV heads, head_dim 32, MLP 256, random init.
-- Tokenizer: byte-level BPE (512 entries + specials, ChatML template, `<|audio|>`) trained on the corpus sentences.
+- Tokenizer: byte-level BPE (512 entries + specials, ChatML template, `<|audio|>`) trained on the train-split sentences and prompt contexts.
 - Perception: FastConformer (64 mel, 8x dw-striding subsampling = 80 ms per frame, 2 layers, d_model 96)
   initialized from the stage-1 CTC model below; 1-layer Conformer modality adapter and projection to the
   LLM, random init. All of it trained in stage 2.
@@ -464,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(ctc_facts, indent=2))
         facts = train_target(args.steps, args.seed, args.batch_size, args.lr, encoder_state)
         facts["encoder_pretraining"] = ctc_facts
-    _, test, _ = corpus()
+    _, test = corpus()
     evaluation = transcribe(OUT, test)
     if not args.eval_only:  # corpus synthesis (when missing), both stages, storing and the held-out evaluation
         facts["command_wall_s"] = round(time.perf_counter() - started, 1)
