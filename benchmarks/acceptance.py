@@ -1,6 +1,6 @@
 """Acceptance benchmark on the reference target: teacher-forced accept_len vs serving MAL.
 
-    .venv/bin/python benchmarks/acceptance.py [--steps 200] [--label-limit 240] [--eval-limit 50]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/acceptance.py [--steps 600] [--label-limit 1200] [--eval-limit 0]
 
 Needs the stored target (``benchmarks/reference_target``) and its synthesized corpus
 (``benchmarks/train_reference_target.py`` builds both; the corpus alone is rebuilt here when
@@ -223,9 +223,12 @@ def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=str(TARGET_DIR), help="SALM checkpoint (default: the reference target)")
-    parser.add_argument("--steps", type=int, default=200, help="training steps per draft (same for every variant)")
-    parser.add_argument("--label-limit", type=int, default=240, help="training utterances labelled and trained on")
-    parser.add_argument("--eval-limit", type=int, default=50, help="held-out utterances evaluated (0: all 100)")
+    parser.add_argument("--steps", type=int, default=600,
+                        help="training steps per draft (same for every variant; default %(default)s)")
+    parser.add_argument("--label-limit", type=int, default=1200,
+                        help="training utterances labelled and trained on (default %(default)s)")
+    parser.add_argument("--eval-limit", type=int, default=0,
+                        help="held-out utterances evaluated (default %(default)s: all 100)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))

@@ -131,6 +131,28 @@ def _cut_texts(cuts: Path) -> tuple[list[str], list[str], list[str]]:
             [c.supervisions[0].text for c in cut_list])
 
 
+def _cpu_trainer(steps: int, log_dir: Path):
+    """The Lightning trainer of both stages: one CPU process, deterministic, one validation at the end."""
+    import lightning as L
+
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        val_check_interval=steps,
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=None,
+        limit_val_batches=3,
+        log_every_n_steps=25,
+        gradient_clip_val=1.0,
+        logger=L.pytorch.loggers.CSVLogger(str(log_dir), name="", version=""),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        deterministic=True,
+        use_distributed_sampler=False,
+    )
+
+
 def _ctc_tokenizer(train: Path, out: Path, vocab_size: int) -> Path:
     """A SentencePiece unigram tokenizer trained on the train-split transcripts, laid out as NeMo's ASR models
     read it (``tokenizer.model``, ``tokenizer.vocab``, ``vocab.txt``); returns its directory."""
@@ -183,22 +205,7 @@ def pretrain_encoder(steps: int, seed: int, batch_size: int, lr: float, vocab_si
         "validation_ds": {**common, "cuts_path": str(test), "shuffle": False},
     })
     L.seed_everything(seed, workers=True)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        val_check_interval=steps,
-        num_sanity_val_steps=0,
-        check_val_every_n_epoch=None,
-        limit_val_batches=3,
-        log_every_n_steps=25,
-        gradient_clip_val=1.0,
-        logger=L.pytorch.loggers.CSVLogger(str(work / "logs"), name="", version=""),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        deterministic=True,
-        use_distributed_sampler=False,
-    )
+    trainer = _cpu_trainer(steps, work / "logs")
     model = EncDecCTCModelBPE(cfg, trainer=trainer)
     started = time.perf_counter()
     trainer.fit(model)
@@ -239,9 +246,8 @@ def train_target(steps: int, seed: int, batch_size: int, lr: float, encoder_stat
     from nemo.collections.speechlm2.data import DataModule, SALMDataset
     from nemo.collections.speechlm2.models import SALM
 
-    from dflash_train.testing.tiny_salm import build_tiny_salm
-
     from dflash_train.data.demo_data import CONTEXTS
+    from dflash_train.testing.tiny_salm import build_tiny_salm
 
     train, test = corpus()
     init_dir = WORK / "target_init"
@@ -270,22 +276,7 @@ def train_target(steps: int, seed: int, batch_size: int, lr: float, encoder_stat
     }
     datamodule = DataModule(_data_config(train, test, batch_size, seed), tokenizer=model.tokenizer,
                             dataset=SALMDataset(tokenizer=model.tokenizer))
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        val_check_interval=steps,
-        num_sanity_val_steps=0,
-        check_val_every_n_epoch=None,
-        limit_val_batches=3,
-        log_every_n_steps=25,
-        gradient_clip_val=1.0,
-        logger=L.pytorch.loggers.CSVLogger(str(WORK / "target_logs"), name="", version=""),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        deterministic=True,
-        use_distributed_sampler=False,
-    )
+    trainer = _cpu_trainer(steps, WORK / "target_logs")
     started = time.perf_counter()
     trainer.fit(model, datamodule)
     wall = time.perf_counter() - started
