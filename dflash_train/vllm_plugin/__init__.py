@@ -7,7 +7,8 @@ of group ``vllm.general_plugins``; vLLM calls it in every process that builds an
   :data:`SALM_ARCHITECTURE`, the architecture ``dflash-export-target`` writes into a target's
   ``config.json`` (NeMo's own plugin keeps ``NeMoSpeechLMForConditionalGeneration``, so the
   result does not depend on which plugin vLLM runs first);
-- aliases training-time draft class names to vLLM's ``DFlashDraftModel`` / ``DFlash2DraftModel``.
+- aliases training-time draft class names to vLLM's ``DFlashDraftModel`` / ``DFlash2DraftModel``;
+- works around other packages' bugs on the versions we serve with (:mod:`dflash_train.vllm_plugin.compat`).
 
 The rest of ``dflash_train`` never imports vLLM; this package imports it only inside
 :func:`register` and in :mod:`dflash_train.vllm_plugin.salm`, which vLLM loads lazily.
@@ -43,9 +44,11 @@ def register() -> None:
     except ImportError as err:
         log.warning("dflash_train: NeMo's SALM vLLM support is not importable (%s); SALM targets unavailable", err)
         return
-    from dflash_train.vllm_plugin.compat import shield_llvmlite_from_kernel_scan
+    from dflash_train.vllm_plugin.compat import per_layer_context_k_norm_on_cpu, shield_llvmlite_from_kernel_scan
 
     # NeMo's register() is idempotent: it maps model type nemo_speechlm to NeMo's config class.
     register_nemo_salm_config()
     ModelRegistry.register_model(SALM_ARCHITECTURE, SALM_MODEL_CLASS)
     shield_llvmlite_from_kernel_scan()
+    if per_layer_context_k_norm_on_cpu():
+        log.info("dflash_train: vLLM-CPU DFlash context K-norm made per layer (its rms_norm kernel uses row 0 only)")

@@ -111,3 +111,20 @@ def test_processor_adaptation_is_chosen_by_vllm_version():
     assert processor_for_vllm("0.32.0") is TokenIdAudioProcessor
     assert processor_for_vllm("0.33.1+cpu") is TokenIdAudioProcessor
     assert processor_for_vllm("0.31.0") is NeMoSpeechLMMultiModalProcessor
+
+
+def test_dflash_context_keys_get_each_draft_layers_own_k_norm():
+    """vLLM-CPU's rms_norm kernel uses row 0 of a [layers, head_dim] weight; after register() the
+    DFlash draft's grouped context K-norm must still apply layer i's weight to layer i."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+
+    register()
+    torch.manual_seed(0)
+    keys = torch.randn(3, 5, 2, 32)  # [layers, context, kv heads, head_dim]
+    weights = torch.randn(3, 32)
+    owner = SimpleNamespace(_k_norm_weights=weights, _rms_norm_eps=1e-6)
+    normed = DFlashQwen3Model._normalize_context_k(owner, keys)
+    expected = keys * torch.rsqrt(keys.pow(2).mean(-1, keepdim=True) + 1e-6) * weights[:, None, None, :]
+    torch.testing.assert_close(normed, expected, rtol=1e-5, atol=1e-5)
