@@ -109,6 +109,17 @@ def test_perception_runs_in_the_serving_precision(tiny_salm_dir, speech_batch):
     assert 0 < max(errors) < 0.05, errors  # bf16 rounding through the encoder: different, and close
 
 
+def test_settings_without_perception_dtype_rerun_as_they_were_measured():
+    from dflash_train.evaluate.loading import TargetSource
+    from dflash_train.evaluate.run import EvalSettings
+
+    settings = EvalSettings(TargetSource(checkpoint="t"), {"draft": "d"}, InputConfig(cuts_path="c.jsonl.gz"), "qwen",
+                            None, 3, 12, (2,), "float16", "cpu", perception_dtype="bfloat16")
+    assert EvalSettings.from_dict(settings.to_dict()) == settings
+    recorded_before = {k: v for k, v in settings.to_dict().items() if k != "perception_dtype"}
+    assert EvalSettings.from_dict(recorded_before).perception_dtype == "float16"
+
+
 def tiny_salm_token(salm_dir, token):
     from transformers import AutoTokenizer
 

@@ -74,6 +74,8 @@ class EvalSettings:
                 "data": InputConfig(**data["data"]),
                 "stop_token_ids": tuple(data["stop_token_ids"]),
                 "sample_ids": tuple(data["sample_ids"]) if data.get("sample_ids") is not None else None,
+                # A report from before perception_dtype was recorded ran the perception in ``dtype``.
+                "perception_dtype": data.get("perception_dtype", data["dtype"]),
             }
         )
 
