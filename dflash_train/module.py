@@ -1,9 +1,11 @@
 """The Lightning module that trains a DFlash / DFlash2 draft against a frozen target.
 
 The target is held as a plain attribute, not a submodule: it is never trained, sharded,
-moved by Lightning or written into checkpoints. Optimisation is manual so a step with no
-valid anchor on any rank can be skipped on every rank together while still advancing the
-step counter, without touching weights or optimizer state.
+moved by Lightning or written into checkpoints. Optimisation is manual so that the loss is
+normalised over a whole accumulation window on all ranks, and so that a window with no
+valid anchor on any rank advances the step counter and the scheduler without touching
+weights or optimizer state. Every rank runs the draft on every micro-batch, a placeholder
+block with zero weight when its own batch has no anchor, so collectives always match.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class DFlashDraftModule(L.LightningModule):
         self.core = build_trainer_core(draft, target, spec, settings.attention_backend)
         self.skip_counts: Counter[str] = Counter()
         self._val_stats: dict[str, BlockStats] = {}
+        self._window_weight = 0.0  # this rank's Σ w over the current accumulation window
         if settings.projection_only:
             for name, param in self.draft.named_parameters():
                 param.requires_grad_(name == "fc.weight")
@@ -163,57 +166,89 @@ class DFlashDraftModule(L.LightningModule):
             2**63 - 1
         )
 
+    def placeholder_inputs(self, like: StepInputs) -> StepInputs:
+        """One fully supervised one-block row: a valid anchor for a rank whose batch has none.
+
+        Its loss is multiplied by zero, so it changes no weight; it exists so that every rank
+        runs the same forward and backward and therefore the same collectives (FSDP2's
+        all-gathers and reduce-scatters, DDP's gradient all-reduce).
+        """
+        length = self.spec.cfg.block_size
+        device = like.input_ids.device
+        layout = document_layout(torch.zeros(1, length, dtype=torch.long, device=device))
+        return StepInputs(
+            input_ids=torch.full((1, length), self.spec.mask_token_id, dtype=like.input_ids.dtype, device=device),
+            features=like.features.new_zeros(1, length, like.features.shape[-1]),
+            loss_mask=torch.ones(1, length, dtype=torch.bool, device=device),
+            position_ids=layout.position_ids,
+            seq_lens=layout.seq_lens,
+            doc_remaining=layout.doc_remaining,
+        )
+
+    def _forward_core(self, inputs: StepInputs, rng_key: int):
+        """The core on ``inputs``, or on :meth:`placeholder_inputs` with zero weight when they hold no anchor.
+
+        Returns ``(metrics, stats, loss_sum)``: ``loss_sum`` is Σ w·CE of this batch, the
+        quantity whose gradient, summed over ranks and micro-batches and divided by the
+        window's Σ w, is the gradient of the exact window loss.
+        """
+        if self.has_valid_anchor(inputs):
+            metrics = self.run_core(inputs, rng_key)
+            return metrics, stats_from_step(metrics), metrics.loss * metrics.loss_weight
+        metrics = self.run_core(self.placeholder_inputs(inputs), rng_key)
+        return None, BlockStats(batches=1.0, skipped=1.0), metrics.loss * 0.0
+
     # ------------------------------------------------------------------ training
     def training_step(self, batch: SpeechBatch, batch_idx: int) -> None:
+        """One micro-batch: forward, backward of the unnormalised loss, and the optimizer step at a window's end.
+
+        Gradients of Σ w·CE accumulate over the ``accumulate_grad_batches`` micro-batches of a
+        window; at its end they are divided by the window's Σ w over all ranks, so the step
+        minimises Σ w·CE / Σ w over the whole window on every rank. Every rank runs the core
+        on every micro-batch (see :meth:`placeholder_inputs`); a window with no supervised
+        weight anywhere steps nothing but still advances the step and the scheduler.
+        """
         started = time.perf_counter()
         optimizer = self.optimizers()
         accumulate = self.settings.optim.accumulate_grad_batches
+        micro = batch_idx % accumulate  # not batch_idx itself: it restarts when a run resumes
         inputs = self.prepare(batch)
-        local_ok = self.has_valid_anchor(inputs)
-        ranks_ok = int(all_reduce_sum(torch.tensor([int(local_ok)], device=self.device)).item())
-        is_last_micro = (batch_idx + 1) % accumulate == 0
-        if ranks_ok == 0:
-            self._skip_step(optimizer, is_last_micro)
-            return
-        stats = BlockStats(batches=1.0)
-        if local_ok:
-            micro = batch_idx % accumulate  # not batch_idx itself: it restarts when a run resumes
-            metrics = self.run_core(inputs, self._rng_key(self.global_step, micro, 0))
-            local = stats_from_step(metrics)
-            loss_sum = metrics.loss * metrics.loss_weight
-            stats = local
-        else:
+        metrics, stats, loss_sum = self._forward_core(inputs, self._rng_key(self.global_step, micro, 0))
+        if metrics is None:
             self.skip_counts[SKIP_NO_ANCHOR] += 1
-            metrics = None
-            loss_sum = sum(p.sum() for p in self.trainable_parameters()) * 0.0
-        total_weight = all_reduce_sum(torch.tensor([stats.weight], device=self.device, dtype=torch.float64)).item()
-        # DP frameworks average gradients over ranks; scale so the result is Σw·CE / Σw over all ranks.
-        loss = loss_sum * (world_size() / (total_weight * accumulate))
-        self.manual_backward(loss)
-        if is_last_micro:
-            self._optimizer_step(optimizer)
-        self._log_train(stats, metrics, inputs, started)
+        # DP frameworks average gradients over ranks; the world size undoes that average.
+        self.manual_backward(loss_sum * world_size())
+        self._window_weight += stats.weight
+        stepped = True
+        if micro == accumulate - 1:
+            stepped = self._finish_window(optimizer)
+        self._log_train(stats, metrics, inputs, started, stepped)
 
-    def _optimizer_step(self, optimizer) -> None:
-        clip = self.settings.optim.gradient_clip_val
-        if clip:
-            self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+    def on_train_epoch_start(self) -> None:
+        self._window_weight = 0.0
+
+    def _finish_window(self, optimizer) -> bool:
+        """Normalise, clip and apply the window's gradients; ``False`` if no rank had a supervised position."""
+        total = float(all_reduce_sum(torch.tensor([self._window_weight], device=self.device, dtype=torch.float64)))
+        self._window_weight = 0.0
+        params = self.trainable_parameters()
+        if total > 0:
+            for param in params:
+                if param.grad is not None:
+                    param.grad.mul_(1.0 / total)
+            clip = self.settings.optim.gradient_clip_val
+            if clip:
+                self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+        else:
+            optimizer.zero_grad(set_to_none=True)  # grad-less params: the optimizer leaves weights and state as they are
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
+        return total > 0
 
-    def _skip_step(self, optimizer, is_last_micro: bool) -> None:
-        """Every rank lacks an anchor: advance the step with no gradient (AdamW skips grad-less params)."""
-        self.skip_counts[SKIP_NO_ANCHOR] += 1
-        if is_last_micro:
-            optimizer.zero_grad(set_to_none=True)
-            optimizer.step()
-        self.log("train/dflash_skipped_step", 1.0, on_step=True)
-        self.log(f"train/skipped/{SKIP_NO_ANCHOR}", float(self.skip_counts[SKIP_NO_ANCHOR]))
-
-    def _log_train(self, stats: BlockStats, metrics, inputs: StepInputs, started: float) -> None:
+    def _log_train(self, stats: BlockStats, metrics, inputs: StepInputs, started: float, stepped: bool) -> None:
         total = stats.all_reduced(self.device)
         elapsed = time.perf_counter() - started
         tokens = float(all_reduce_sum(torch.tensor([float(inputs.doc_remaining.ge(0).sum())], device=self.device)))
@@ -223,7 +258,8 @@ class DFlashDraftModule(L.LightningModule):
             "train/accept_len": total.accept_len,
             "train/valid_tokens": total.tokens,
             "train/valid_blocks": total.blocks,
-            "train/dflash_skipped_step": 0.0,
+            "train/dflash_skipped_step": 0.0 if stepped else 1.0,
+            f"train/skipped/{SKIP_NO_ANCHOR}": float(self.skip_counts[SKIP_NO_ANCHOR]),
             "train/tokens_per_second": tokens / max(elapsed, 1e-9),
             "train/step_time": elapsed,
             "train/lr": self.optimizers().param_groups[0]["lr"],
@@ -267,11 +303,8 @@ class DFlashDraftModule(L.LightningModule):
     def validation_step(self, batch: SpeechBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
         name = self.settings.val_names[dataloader_idx]
         inputs = self.prepare(batch)
-        if not self.has_valid_anchor(inputs):
-            self._val_stats[name].add(BlockStats(batches=1.0, skipped=1.0))
-            return
-        metrics = self.run_core(inputs, self._rng_key(0, batch_idx, 1 + dataloader_idx))
-        self._val_stats[name].add(stats_from_step(metrics))
+        _, stats, _ = self._forward_core(inputs, self._rng_key(0, batch_idx, 1 + dataloader_idx))
+        self._val_stats[name].add(stats)
 
     def on_validation_epoch_end(self) -> None:
         overall = BlockStats()

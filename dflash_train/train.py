@@ -6,6 +6,7 @@ token, attention backend) runs before the target's weights load or a process gro
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
+from dflash_train.atomic import AtomicCheckpointIO, atomic_directory
 from dflash_train.config.schema import LIGHTNING_PRECISION, RunConfig
 from dflash_train.config.validate import ValidatedConfig
 from dflash_train.draft.build import DraftSpec, build_draft, warm_start
@@ -23,6 +25,7 @@ from dflash_train.draft.variants import VARIANT_REGISTRY
 from dflash_train.draft.export import full_state_dict, verify_export, write_export
 from dflash_train.errors import ConfigError
 from dflash_train.module import DFlashDraftModule, ModuleSettings, OptimSettings
+from dflash_train.preemption import PreemptionCheckpoint
 from dflash_train.target import load_target_for_run
 
 log = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ class TrainSummary:
     export_dir: Optional[Path]
     resumed_from: Optional[Path]
     skipped: dict[str, float]
+    stopped_by: Optional[str] = None  # the signal that preempted the run (it saved a checkpoint)
 
     def report(self, run: RunConfig, serve_target: Optional[str] = None) -> list[str]:
         """Readable end-of-run summary, with the exact serve command when an export exists."""
@@ -56,6 +60,12 @@ class TrainSummary:
             f"val accept_len {fmt(self.val_accept_len)}",
             "skipped samples: " + (", ".join(f"{k} {int(v)}" for k, v in self.skipped.items() if v) or "none"),
         ]
+        if self.stopped_by is not None:
+            lines.append(
+                f"preempted by {self.stopped_by} at step {self.steps}: saved {self.run_dir / 'checkpoints' / 'last.ckpt'}; "
+                "no export; run the same command (exp_manager.resume_if_exists=true) to continue"
+            )
+            return lines
         if self.export_dir is None:
             lines.append("no final export (training did not finish); resume from the last checkpoint")
             return lines
@@ -130,17 +140,26 @@ def build_strategy(run: RunConfig, accelerator: str, trainer_kwargs: dict):
 
 
 class ExportOnTrainEnd(Callback):
-    """Write the draft-only HF export when training ends, reload it strictly and compare."""
+    """Write the draft-only HF export when training ends, reload it strictly and compare.
 
-    def __init__(self, out_dir: Path):
+    The export is written and verified in a directory beside ``out_dir`` and renamed into
+    place only when it matches, so ``out_dir`` always holds a whole export (or none). A
+    preempted run writes no export: it has not finished.
+    """
+
+    def __init__(self, out_dir: Path, preemption: Optional[PreemptionCheckpoint] = None):
         self.out_dir = out_dir
+        self.preemption = preemption
         self.written: Optional[Path] = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: DFlashDraftModule) -> None:
+        if self.preemption is not None and self.preemption.stopped_by is not None:
+            return
         state = full_state_dict(pl_module.draft)  # collective under FSDP2: every rank calls it
         if trainer.is_global_zero:
-            write_export(self.out_dir, pl_module.draft.config, state)
-            count = verify_export(self.out_dir, state)
+            with atomic_directory(self.out_dir) as staging:
+                write_export(staging, pl_module.draft.config, state)
+                count = verify_export(staging, state)
             log.info("export: wrote %s (%d tensors), reloaded strictly and matched", self.out_dir, count)
         trainer.strategy.barrier("dflash-export")
         self.written = self.out_dir  # every rank reports the export rank 0 wrote
@@ -164,6 +183,59 @@ class LogResume(Callback):
         if self.ckpt_path is not None:
             lr = trainer.optimizers[0].param_groups[0]["lr"]
             log.info("resumed from %s at global step %d, lr %.3g", self.ckpt_path, trainer.global_step, lr)
+
+
+class ProgressLog(Callback):
+    """Plain progress lines on rank 0 every ``log_every_n_steps`` steps (cluster logs have no progress bar)."""
+
+    def __init__(self, every: int):
+        self.every = max(1, int(every))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        step = trainer.global_step
+        if not trainer.is_global_zero or step % self.every or step == getattr(self, "_last", None):
+            return
+        self._last = step
+        metrics = trainer.callback_metrics
+
+        def value(key: str) -> str:
+            return f"{float(metrics[key]):.4f}" if key in metrics else "n/a"
+
+        log.info(
+            "step %d/%s: loss %s, accept_len %s, lr %.3g",
+            step,
+            trainer.max_steps if trainer.max_steps > 0 else "?",
+            value("train/dflash_loss"),
+            value("train/accept_len"),
+            trainer.optimizers[0].param_groups[0]["lr"],
+        )
+
+
+class SampleIdLog(Callback):
+    """Every rank appends the sample ids of each batch it trains or validates on to ``rank<R>.jsonl``.
+
+    One JSON object per batch: ``split`` (``train`` or the validation set's name), ``step``
+    (the global step the batch belongs to) and ``ids``. The files show which rank saw which
+    sample and when: the evidence for data sharding, and for reproducing a step.
+    """
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = out_dir
+
+    def _write(self, trainer: L.Trainer, split: str, batch) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        record = {"split": split, "step": trainer.global_step, "ids": list(batch.sample_ids)}
+        with open(self.out_dir / f"rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        self._write(trainer, "train", batch)
+
+    def on_validation_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if not trainer.sanity_checking:
+            self._write(trainer, pl_module.settings.val_names[dataloader_idx], batch)
 
 
 def _callbacks(run: RunConfig, run_dir: Path, val_every: Optional[int]) -> list[Callback]:
@@ -260,13 +332,18 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
     if ckpt_path is None and run.exp_manager.resume_if_exists and not run.exp_manager.resume_ignore_no_checkpoint:
         raise ConfigError(f"exp_manager.resume_if_exists=true but {last} does not exist")
     val_every = trainer_kwargs.get("val_check_interval")
-    exporter = ExportOnTrainEnd(export_dir)
+    preemption = PreemptionCheckpoint(last, requeue=run.exp_manager.requeue_on_preemption)
+    exporter = ExportOnTrainEnd(export_dir, preemption)
+    extra: list[Callback] = [preemption, exporter, LogResume(ckpt_path)]
+    extra.append(ProgressLog(trainer_kwargs.get("log_every_n_steps") or 50))
+    if run.exp_manager.record_sample_ids:
+        extra.append(SampleIdLog(run_dir / "sample_ids"))
     trainer = L.Trainer(
         **trainer_kwargs,
         precision=LIGHTNING_PRECISION[run.trainer.precision],
         strategy=build_strategy(run, accelerator, trainer_kwargs),
-        callbacks=_callbacks(run, run_dir, val_every if isinstance(val_every, int) else None)
-        + [exporter, LogResume(ckpt_path)],
+        callbacks=_callbacks(run, run_dir, val_every if isinstance(val_every, int) else None) + extra,
+        plugins=[AtomicCheckpointIO()],
         logger=_loggers(run, run_dir),
         default_root_dir=str(run_dir),
     )
@@ -282,4 +359,5 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
         export_dir=exporter.written,
         resumed_from=ckpt_path,
         skipped=skipped,
+        stopped_by=preemption.stopped_by,
     )

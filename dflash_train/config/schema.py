@@ -126,6 +126,8 @@ class ExpManagerConfig:
     checkpoint_every_n_steps: Optional[int] = None
     create_tensorboard_logger: bool = True
     create_csv_logger: bool = True
+    requeue_on_preemption: bool = False
+    record_sample_ids: bool = False
 
 
 @dataclass

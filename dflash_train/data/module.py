@@ -27,13 +27,11 @@ log = logging.getLogger(__name__)
 TRAIN_NAME = "train"
 
 
-def _topology(rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
-    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if rank is None:
-        rank = torch.distributed.get_rank() if initialized else 0
-    if world_size is None:
-        world_size = torch.distributed.get_world_size() if initialized else 1
-    return rank, world_size
+def _process_group_topology() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group, ``(0, 1)`` without one."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 class _AfterFirst:
@@ -63,6 +61,12 @@ class SpeechDataModule(L.LightningDataModule):
     lhotse deals rank *r* every ``world_size``-th batch, so ranks see disjoint samples and the
     same number of batches. Everything is seeded by ``seed``. Samples dropped on the way are
     counted by reason (:meth:`skip_counts`).
+
+    Rank and world size are read when the loaders are built, not at construction: the recipe
+    builds this module before ``trainer.fit`` creates the process group. They come from the
+    attached trainer (``global_rank`` / ``world_size``), else from an initialised process
+    group, else they are 0 of 1; explicit ``rank`` / ``world_size`` arguments override both
+    (tests that play one rank in a single process).
     """
 
     def __init__(
@@ -84,11 +88,43 @@ class SpeechDataModule(L.LightningDataModule):
         self.estimator = estimator
         self.pad_id = int(get_pad_id(tokenizer))
         self.seed = seed
-        self.rank, self.world_size = _topology(rank, world_size)
-        self.skips = SkipCounter(self.rank, self.world_size)
+        self._requested_topology = (rank, world_size)
+        self._skips: Optional[SkipCounter] = None
         self._val_sets = self._group_validation_inputs()
         self.val_names: list[str] = list(self._val_sets)
         self._val_streams: dict[str, Iterable[Example]] = {}
+
+    def _topology(self) -> tuple[int, int]:
+        if self.trainer is not None:
+            found = (self.trainer.global_rank, self.trainer.world_size)
+        else:
+            found = _process_group_topology()
+        rank, world_size = self._requested_topology
+        return (found[0] if rank is None else rank, found[1] if world_size is None else world_size)
+
+    @property
+    def skips(self) -> SkipCounter:
+        """This rank's skip counter, created for the topology in force when first needed (loaders, counts)."""
+        if self._skips is None:
+            self._skips = SkipCounter(*self._topology())
+        return self._skips
+
+    @property
+    def rank(self) -> int:
+        return self.skips.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.skips.world_size
+
+    def setup(self, stage: str) -> None:
+        """Fix this rank's place in the world now that the trainer (and its process group) exists."""
+        if self._skips is not None and (self._skips.rank, self._skips.world_size) != self._topology():
+            raise RuntimeError(
+                f"SpeechDataModule was used as rank {self._skips.rank} of {self._skips.world_size} before "
+                f"the trainer set up rank {self._topology()[0]} of {self._topology()[1]}; build a new data module"
+            )
+        log.info("data: rank %d of %d", self.rank, self.world_size)
 
     def _group_validation_inputs(self) -> dict[str, list[InputConfig]]:
         groups: dict[str, list[InputConfig]] = {}
@@ -114,7 +150,12 @@ class SpeechDataModule(L.LightningDataModule):
         repeated = [LazyRepeater(stream, preserve_id=True) for stream in streams]
         if len(repeated) == 1:
             return repeated[0]
-        return LazyIteratorMultiplexer(*repeated, weights=[s.source.weight for s in streams], seed=self.seed)
+        return LazyIteratorMultiplexer(*repeated, weights=[s.source.weight for s in streams], seed=self.train_seed)
+
+    @property
+    def train_seed(self) -> int:
+        """Blending and shuffling seed of this rank's training stream: ``seed + rank`` (ranks draw independently)."""
+        return self.seed + self.rank
 
     def validation_examples(self, name: str) -> Iterable[Example]:
         """Validation set ``name``: its inputs once, in order (the same stream object across runs)."""
@@ -131,9 +172,10 @@ class SpeechDataModule(L.LightningDataModule):
         name: str,
         rank: int,
         world_size: int,
+        seed: int,
         skip: int = 0,
     ) -> DataLoader:
-        sampler = build_sampler(examples, ds, shuffle, self.seed, rank, world_size)
+        sampler = build_sampler(examples, ds, shuffle, seed, rank, world_size)
         return DataLoader(
             SpeechDataset(self.pad_id, ds.packing, name),
             sampler=_AfterFirst(sampler, skip) if skip else sampler,
@@ -160,14 +202,14 @@ class SpeechDataModule(L.LightningDataModule):
         if skip:
             log.info("data: resuming the training stream after %d batches", skip)
         # rank 0 of 1: the stream is already this rank's shard
-        return self._loader(examples, ds, shuffle, TRAIN_NAME, rank=0, world_size=1, skip=skip)
+        return self._loader(examples, ds, shuffle, TRAIN_NAME, rank=0, world_size=1, seed=self.train_seed, skip=skip)
 
     def val_dataloader(self) -> list[DataLoader]:
         """One finite loader per validation set, in :attr:`val_names` order (``dataset_name`` = its name)."""
         ds = self.cfg.validation_ds
         shuffle = False if ds is None or ds.shuffle is None else ds.shuffle
         return [
-            self._loader(self.validation_examples(name), ds, shuffle, name, self.rank, self.world_size)
+            self._loader(self.validation_examples(name), ds, shuffle, name, self.rank, self.world_size, self.seed)
             for name in self.val_names
         ]
 
