@@ -17,10 +17,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash_train.config import missing_keys, validate_config
 from dflash_train.errors import ConfigError
+from dflash_train.launch import launch_stamp
 
 log = logging.getLogger("dflash_train")
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+# ${dflash_launch_stamp:} in hydra.run.dir: one directory for all ranks of a launch.
+OmegaConf.register_new_resolver("dflash_launch_stamp", launch_stamp, use_cache=True, replace=True)
 
 
 def run(cfg: DictConfig) -> None:
