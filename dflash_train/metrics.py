@@ -42,11 +42,14 @@ class BlockStats:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
+    def as_list(self) -> list[float]:
+        """The sums in field order (to fuse them with other sums into one all-reduce)."""
+        return [getattr(self, f.name) for f in fields(self)]
+
     def all_reduced(self, device: torch.device) -> "BlockStats":
         """The same sums over every rank."""
-        values = torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64, device=device)
-        values = all_reduce_sum(values).tolist()
-        return BlockStats(*values)
+        values = torch.tensor(self.as_list(), dtype=torch.float64, device=device)
+        return BlockStats(*all_reduce_sum(values).tolist())
 
     @property
     def loss(self) -> float:

@@ -249,9 +249,13 @@ class DFlashDraftModule(L.LightningModule):
         return total > 0
 
     def _log_train(self, stats: BlockStats, metrics, inputs: StepInputs, started: float, stepped: bool) -> None:
-        total = stats.all_reduced(self.device)
+        """Log this step's sums over all ranks, gathered in a single all-reduce."""
         elapsed = time.perf_counter() - started
-        tokens = float(all_reduce_sum(torch.tensor([float(inputs.doc_remaining.ge(0).sum())], device=self.device)))
+        reasons, data_skips = self._local_data_skips()
+        local = stats.as_list() + [float(inputs.doc_remaining.ge(0).sum()), float(self.skip_counts[SKIP_NO_ANCHOR])]
+        summed = all_reduce_sum(torch.tensor(local + data_skips, dtype=torch.float64, device=self.device)).tolist()
+        count = len(stats.as_list())
+        total, (tokens, no_anchor) = BlockStats(*summed[:count]), summed[count : count + 2]
         values = {
             "train/dflash_loss": total.loss,
             "train/dflash_accuracy": total.accuracy,
@@ -259,11 +263,12 @@ class DFlashDraftModule(L.LightningModule):
             "train/valid_tokens": total.tokens,
             "train/valid_blocks": total.blocks,
             "train/dflash_skipped_step": 0.0 if stepped else 1.0,
-            f"train/skipped/{SKIP_NO_ANCHOR}": float(self.skip_counts[SKIP_NO_ANCHOR]),
+            f"train/skipped/{SKIP_NO_ANCHOR}": no_anchor,
             "train/tokens_per_second": tokens / max(elapsed, 1e-9),
             "train/step_time": elapsed,
             "train/lr": self.optimizers().param_groups[0]["lr"],
         }
+        values.update({f"data/skipped/{reason}": value for reason, value in zip(reasons, summed[count + 2 :])})
         if torch.cuda.is_available() and self.device.type == "cuda":
             values["train/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if metrics is not None and hasattr(metrics, "selector_loss"):
@@ -275,7 +280,6 @@ class DFlashDraftModule(L.LightningModule):
                     "train/candidate_recall": float(metrics.candidate_recall),
                 }
             )
-        values.update(self._data_skip_totals())
         self.log_dict(values, on_step=True)
         self.log_dict(
             {"loss": total.loss, "accept_len": total.accept_len, "tok/s": values["train/tokens_per_second"]},
@@ -284,17 +288,16 @@ class DFlashDraftModule(L.LightningModule):
             logger=False,
         )
 
-    def _data_skip_totals(self) -> dict[str, float]:
-        """``data/skipped/<reason>`` summed over ranks, from a datamodule that counts skips."""
+    def _local_data_skips(self) -> tuple[list[str], list[float]]:
+        """``(reasons, this rank's counts)`` from a datamodule that counts skipped samples (else empty)."""
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is None or not hasattr(datamodule, "skip_counts"):
-            return {}
+            return [], []
         from dflash_train.data.conversation import SKIP_REASONS
 
         reasons = sorted(SKIP_REASONS)
         local = datamodule.skip_counts()
-        totals = all_reduce_sum(torch.tensor([float(local.get(r, 0)) for r in reasons], device=self.device))
-        return {f"data/skipped/{r}": float(v) for r, v in zip(reasons, totals.tolist())}
+        return reasons, [float(local.get(reason, 0)) for reason in reasons]
 
     # ------------------------------------------------------------------ validation
     def on_validation_epoch_start(self) -> None:

@@ -269,6 +269,16 @@ def _loggers(run: RunConfig, run_dir: Path) -> list:
     return loggers or False
 
 
+def _plugins() -> list:
+    """Atomic checkpoint writes; under SLURM, Lightning's own requeue handler off (:class:`PreemptionCheckpoint` saves)."""
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    plugins: list = [AtomicCheckpointIO()]
+    if SLURMEnvironment.detect():
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+    return plugins
+
+
 def build_datamodule(run: RunConfig, target) -> L.LightningDataModule:
     """The configured speech data pipeline, tokenizing and budgeting with the target's own parts."""
     from dflash_train.data.estimator import AudioTokenEstimator
@@ -338,12 +348,19 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
     extra.append(ProgressLog(trainer_kwargs.get("log_every_n_steps") or 50))
     if run.exp_manager.record_sample_ids:
         extra.append(SampleIdLog(run_dir / "sample_ids"))
+    precision = LIGHTNING_PRECISION[run.trainer.precision]
+    log.info(
+        "precision: trainer.precision=%s runs Lightning '%s' (docs/training.md, Precision); frozen target in %s",
+        run.trainer.precision,
+        precision,
+        "bfloat16" if run.trainer.precision.startswith("bf16") else "float32",
+    )
     trainer = L.Trainer(
         **trainer_kwargs,
-        precision=LIGHTNING_PRECISION[run.trainer.precision],
+        precision=precision,
         strategy=build_strategy(run, accelerator, trainer_kwargs),
         callbacks=_callbacks(run, run_dir, val_every if isinstance(val_every, int) else None) + extra,
-        plugins=[AtomicCheckpointIO()],
+        plugins=_plugins(),
         logger=_loggers(run, run_dir),
         default_root_dir=str(run_dir),
     )

@@ -127,3 +127,23 @@ def audio_estimator(tiny_target):
     from dflash_train.data.estimator import AudioTokenEstimator
 
     return AudioTokenEstimator.from_target(tiny_target)
+
+
+def run_launcher(command: list[str], env: dict, timeout: float):
+    """``subprocess.run`` for torchrun: on timeout the whole process group is killed, workers included.
+
+    Killing only torchrun would leave its workers hanging in a collective (and holding CPU)
+    after the test has failed.
+    """
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(command[:6])} ... did not finish in {timeout} s:\n{(stdout + stderr)[-4000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)

@@ -1,8 +1,10 @@
-"""Worker for the multi-process tests: `torchrun --nproc_per_node=N tests/dist_train.py OUT SALM STRATEGY VARIANT WAV...`.
+"""Worker for the multi-process tests: `torchrun --nproc_per_node=N tests/dist_train.py OUT SALM STRATEGY VARIANT WAV... [--flag ...]`.
 
 Every run trains on the same global batch of four conversations: one process takes all
 four rows, N processes take 4/N rows each. Writes the final export and, per rank, the
-last logged metrics.
+last logged metrics. Flags: ``--unsupervised ROW,...`` clears the loss mask of those global
+rows (a rank can be left without any anchor), ``--sgd LR`` trains with plain SGD (so the
+weights show any error in the gradient's scale), ``--steps N``.
 """
 
 import json
@@ -28,8 +30,22 @@ TEXTS = [
 ]
 
 
+def _flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    positional, flags = [], {}
+    items = iter(argv)
+    for item in items:
+        if item.startswith("--"):
+            flags[item[2:]] = next(items)
+        else:
+            positional.append(item)
+    return positional, flags
+
+
 def main() -> None:
-    out, salm_dir, strategy, variant, *wavs = sys.argv[1:]
+    (out, salm_dir, strategy, variant, *wavs), flags = _flags(sys.argv[1:])
+    unsupervised = {int(row) for row in flags.get("unsupervised", "").split(",") if row}
+    steps = int(flags.get("steps", 3))
+    optimizer = [f"dflash.optimizer={{_target_:torch.optim.SGD,lr:{flags['sgd']}}}"] if "sgd" in flags else []
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     from lhotse import CutSet, Recording
 
@@ -44,14 +60,15 @@ def main() -> None:
                 "trainer=cpu",
                 f"trainer.devices={world}",
                 f"trainer.strategy.name={strategy}",
-                "trainer.max_steps=3",
-                "trainer.val_check_interval=3",
+                f"trainer.max_steps={steps}",
+                f"trainer.val_check_interval={steps}",
                 "+trainer.enable_progress_bar=false",
                 "dflash.block_size=4",
                 "dflash.num_anchors=512",
                 "dflash.lr=3e-3",
             ]
             + (["dflash.selector_rank=16", "dflash.selector_top_k=8"] if variant == "dflash2" else [])
+            + optimizer
             + [
                 f"exp_manager.explicit_log_dir={out}",
                 "exp_manager.create_tensorboard_logger=false",
@@ -63,6 +80,9 @@ def main() -> None:
         rows = range(rank * len(TEXTS) // world, (rank + 1) * len(TEXTS) // world)
         speech = (torch.as_tensor(audios)[list(rows)], torch.as_tensor(lens)[list(rows)])
         batch = chatml_speech_batch(target, speech, [TEXTS[i] for i in rows], repeat=2)
+        for local, row in enumerate(rows):
+            if row in unsupervised:
+                batch.loss_mask[local] = False
         # ListDataModule shards by rank; hand every rank its own rows as a one-element world.
         module = ListDataModule([batch] * world, [batch] * world)
         return module

@@ -215,3 +215,91 @@ def test_interrupted_run_keeps_its_checkpoint_and_writes_no_export(tiny_salm_dir
     step = ckpt["global_step"]  # Lightning prefetches one batch, so the interrupt lands before step 2 runs
     assert step == 1
     assert f"KeyboardInterrupt at step {step}: no final export was written" in caplog.text
+
+
+SGD = "dflash.optimizer={_target_:torch.optim.SGD,lr:1.0}"
+
+
+def _split_batches(target, speech_batch):
+    """``(A, B, A+B)``: rows 0-1, row 2, and all three rows as one batch (unequal supervised weights)."""
+    audios, lens = speech_batch
+    a = chatml_speech_batch(target, (audios[:2], lens[:2]), TEXTS[:2], repeat=2)
+    b = chatml_speech_batch(target, (audios[2:], lens[2:]), TEXTS[2:], repeat=2)
+    both = chatml_speech_batch(target, speech_batch, TEXTS, repeat=2)
+    assert int(a.loss_mask.sum()) != int(b.loss_mask.sum())
+    return a, b, both
+
+
+def _max_diff(x: dict, y: dict) -> float:
+    assert x.keys() == y.keys()
+    return max((x[k] - y[k]).abs().max().item() for k in x)
+
+
+def test_accumulating_two_batches_equals_one_step_on_both(tiny_salm_dir, tiny_target, speech_batch, tmp_path):
+    """Σw·CE/Σw over the whole window, not the mean of per-micro-batch losses."""
+    a, b, both = _split_batches(tiny_target, speech_batch)
+    init = train(_recipe(tiny_salm_dir, tmp_path / "init", "trainer.max_steps=1", variant="dflash"),
+                 lambda run, target: ListDataModule([both], [both]))
+    start = f"dflash.init_from_pretrained={init.export_dir}"
+    one = train(_recipe(tiny_salm_dir, tmp_path / "one", "trainer.max_steps=1", SGD, start, variant="dflash"),
+                lambda run, target: ListDataModule([both], [both]))
+    acc = train(_recipe(tiny_salm_dir, tmp_path / "acc", "trainer.max_steps=1", "trainer.accumulate_grad_batches=2",
+                        SGD, start, variant="dflash"),
+                lambda run, target: ListDataModule([a, b], [both]))
+    ref = load_file(str(init.export_dir / "model.safetensors"))
+    w_one, w_acc = load_file(str(one.export_dir / "model.safetensors")), load_file(str(acc.export_dir / "model.safetensors"))
+    update = max((w_one[k] - ref[k]).abs().max().item() for k in ref)
+    assert update > 1e-3  # the step moved the weights
+    assert _max_diff(w_one, w_acc) < 1e-5 * max(1.0, update), (update, _max_diff(w_one, w_acc))
+
+
+def test_a_window_whose_last_batch_has_no_anchor_keeps_the_gradients_before_it(tiny_salm_dir, tiny_target,
+                                                                              speech_batch, tmp_path):
+    good = chatml_speech_batch(tiny_target, speech_batch, TEXTS, repeat=2)
+    no_anchor = chatml_speech_batch(tiny_target, speech_batch, TEXTS)
+    no_anchor.loss_mask[:] = False
+    one = train(_recipe(tiny_salm_dir, tmp_path / "one", "trainer.max_steps=1", SGD, variant="dflash"),
+                lambda run, target: ListDataModule([good], [good]))
+    acc = train(_recipe(tiny_salm_dir, tmp_path / "acc", "trainer.max_steps=1", "trainer.accumulate_grad_batches=2",
+                        SGD, variant="dflash"),
+                lambda run, target: ListDataModule([good, no_anchor], [good]))
+    assert acc.steps == 1
+    assert _max_diff(load_file(str(one.export_dir / "model.safetensors")),
+                     load_file(str(acc.export_dir / "model.safetensors"))) < 1e-6
+
+
+def test_the_scheduler_steps_on_skipped_steps_too(tiny_salm_dir, tiny_target, speech_batch, tmp_path):
+    """The LR is a function of global_step: a skipped step advances both."""
+    good = chatml_speech_batch(tiny_target, speech_batch, TEXTS, repeat=2)
+    no_anchor = chatml_speech_batch(tiny_target, speech_batch, TEXTS)
+    no_anchor.loss_mask[:] = False
+    halve = "dflash.lr_scheduler={_target_:torch.optim.lr_scheduler.StepLR,step_size:1,gamma:0.5}"
+    summary = train(_recipe(tiny_salm_dir, tmp_path, "trainer.max_steps=3", "dflash.lr=0.004", halve,
+                            "exp_manager.checkpoint_every_n_steps=1", variant="dflash"),
+                    lambda run, target: ListDataModule([good, no_anchor, good], [good]))
+    assert summary.steps == 3
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert ckpt["global_step"] == 3
+    assert ckpt["lr_schedulers"][0]["last_epoch"] == 3
+    assert ckpt["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.004 / 8)
+
+
+@pytest.mark.parametrize("precision", ["bf16-flash", "bf16-true"])
+def test_bf16_training_on_cpu_feeds_attention_one_dtype(tiny_salm_dir, batches, tmp_path, monkeypatch, precision):
+    """The BF16 path (target in BF16, draft under autocast or in BF16) runs with sdpa; q, k and v always agree."""
+    import torch.nn.functional as F
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(query, key, value, *args, **kwargs):
+        calls.append((query.dtype, key.dtype, value.dtype))
+        return sdpa(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    summary = train(_recipe(tiny_salm_dir, tmp_path, "trainer.max_steps=2", f"trainer.precision={precision}"),
+                    _factory(batches))
+    assert summary.steps == 2 and summary.export_dir is not None
+    assert summary.train_loss is not None and torch.isfinite(torch.tensor(summary.train_loss))
+    assert calls and all(q == k == v for q, k, v in calls), set(calls)
+    assert {q for q, _, _ in calls} == {torch.bfloat16}

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from conftest import run_launcher
+
 BIN = Path(sys.executable).parent
 STEPS = 8
 MISSING_ID = "planted-missing-audio"
@@ -78,7 +80,7 @@ def _env() -> dict:
 
 
 def _run(command: list[str]) -> str:
-    proc = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = run_launcher(command, _env(), 600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-6000:]
     return output
@@ -152,7 +154,11 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_ends_with_the_same_weigh
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)  # torchrun passes it on to both workers
-        proc.wait(timeout=120)
+        try:
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
     output = log_path.read_text()
     notes = [line for line in output.splitlines() if "preempted by SIGTERM at step" in line]
     assert len(notes) == 2, output[-4000:]  # both ranks report it

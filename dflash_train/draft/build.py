@@ -37,6 +37,37 @@ class DraftSpec:
         return block
 
 
+DTYPE_AGREEING_PREFIX = "one_dtype_"  # no "flash" in it: transformers would treat the name as a flash-attention kernel
+
+
+def _dtype_agreeing(backend: str):
+    """``backend`` with query and key cast to the value's dtype when they differ.
+
+    Under BF16 autocast the draft's values come straight from a linear layer (BF16), while
+    queries and keys pass through RMSNorms with FP32 weights and come out FP32. CUDA's sdpa
+    casts them back under autocast, flex_attention does not (it rejects mixed dtypes, or
+    would compute in FP32); casting here makes every backend see one dtype, the one autocast
+    chose. Without autocast the three already agree and nothing is cast.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def attention(module, query, key, value, *args, **kwargs):
+        if query.dtype != value.dtype or key.dtype != value.dtype:
+            query, key = query.to(value.dtype), key.to(value.dtype)
+        return ALL_ATTENTION_FUNCTIONS[backend](module, query, key, value, *args, **kwargs)
+
+    return attention
+
+
+def draft_attention_implementation(backend: str) -> str:
+    """The name the draft's config uses for ``backend``: its dtype-agreeing wrapper, registered with transformers."""
+    from transformers import AttentionInterface
+
+    name = DTYPE_AGREEING_PREFIX + backend
+    AttentionInterface.register(name, _dtype_agreeing(backend))
+    return name
+
+
 def build_draft_config(target_llm_config, spec: DraftSpec, attention_backend: str):
     """A Qwen3 config for the draft: the target's shape (hidden size, heads, vocab), draft depth."""
     from transformers import Qwen3Config
@@ -57,7 +88,7 @@ def build_draft_config(target_llm_config, spec: DraftSpec, attention_backend: st
     )
     config = Qwen3Config(**text)
     config.architectures = [spec.variant.export_architecture]
-    config._attn_implementation = attention_backend
+    config._attn_implementation = draft_attention_implementation(attention_backend)
     return config
 
 
