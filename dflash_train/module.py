@@ -53,6 +53,7 @@ class ModuleSettings:
     seed: int = 0
     optim: OptimSettings = field(default_factory=OptimSettings)
     val_names: list[str] = field(default_factory=lambda: ["val"])
+    fsdp_param_dtype: Optional[torch.dtype] = None  # FSDP2 compute/all-gather dtype (BF16 runs); grads reduce in FP32
 
 
 @dataclass
@@ -92,16 +93,21 @@ class DFlashDraftModule(L.LightningModule):
         return [p for p in self.draft.parameters() if p.requires_grad]
 
     def configure_model(self) -> None:
-        """Shard the draft with FSDP2 over the data-parallel mesh (ModelParallelStrategy only)."""
+        """Shard the draft with FSDP2 over the data-parallel mesh (ModelParallelStrategy only).
+
+        In BF16 runs the sharded FP32 master weights are all-gathered and computed in BF16
+        (half the all-gather traffic) and gradients are reduce-scattered in FP32.
+        """
         mesh = getattr(self, "device_mesh", None)
         if mesh is None or getattr(self, "_sharded", False):
             return
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = MixedPrecisionPolicy(param_dtype=self.settings.fsdp_param_dtype, reduce_dtype=torch.float32)
         dp_mesh = mesh["data_parallel"]
         for layer in self.draft.layers:
-            fully_shard(layer, mesh=dp_mesh)
-        fully_shard(self.draft, mesh=dp_mesh)
+            fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(self.draft, mesh=dp_mesh, mp_policy=policy)
         self._sharded = True
 
     def setup(self, stage: str) -> None:

@@ -331,6 +331,7 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
             accumulate_grad_batches=int(trainer_kwargs.pop("accumulate_grad_batches", 1) or 1),
         ),
         val_names=list(getattr(datamodule, "val_names", ["val"])),
+        fsdp_param_dtype=torch.bfloat16 if run.trainer.precision.startswith("bf16") else None,
     )
     module = DFlashDraftModule(target, draft, spec, settings)
 

@@ -20,6 +20,30 @@ UTTERANCES = {
 }
 
 
+LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_process_group():
+    """Each test starts without a default process group or launcher variables another test left behind.
+
+    An in-process Lightning DDP run initialises a process group and sets ``MASTER_PORT`` in
+    ``os.environ``; a later test would then fail to create its own group, and a subprocess
+    would inherit a port that is still taken.
+    """
+    saved = {key: os.environ.get(key) for key in LAUNCH_ENV}
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def tiny_salm_dir(tmp_path_factory) -> Path:
     from dflash_train.testing.tiny_salm import build_tiny_salm

@@ -32,7 +32,7 @@ def test_console_script_rejects_bad_key_in_one_line(tmp_path):
 
 
 def test_torchrun_launches_the_module_on_every_rank(tmp_path):
-    proc = _run([str(BIN / "torchrun"), "--nproc_per_node=2", "--master_port=29533", "-m", "dflash_train",
+    proc = _run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dflash_train",
                  "--config-name=dflash", "--cfg", "job", "model.pretrained_name=/x", "data.train_ds.input_cfg=[]"],
                 tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -86,7 +86,7 @@ def test_cli_trains_on_speech_data_and_exports(tiny_salm_dir, demo_data, tmp_pat
 
 def test_torchrun_trains_with_two_fsdp2_ranks(tiny_salm_dir, demo_data, tmp_path):
     run_dir = tmp_path / "run"
-    proc = _run([str(BIN / "torchrun"), "--nproc_per_node=2", "--master_port=29534", "-m", "dflash_train",
+    proc = _run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dflash_train",
                  *_demo_args(tiny_salm_dir, demo_data, run_dir), "trainer.devices=2",
                  "trainer.strategy.name=fsdp2"], tmp_path, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

@@ -180,7 +180,8 @@ def test_a_resumed_run_continues_the_stream_after_the_trained_batches(tiny_targe
     fresh = [b.sample_ids for b in _train_batches(module(), 7)]
     resumed = module()
     progress = SimpleNamespace(total=SimpleNamespace(processed=4))
-    resumed.trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
+    resumed.trainer = SimpleNamespace(global_rank=0, world_size=1,
+                                      fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
     assert [b.sample_ids for b in _train_batches(resumed, 3)] == fresh[4:]
 
 

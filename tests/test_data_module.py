@@ -72,12 +72,12 @@ def test_lightning_fit_reads_training_and_every_named_validation_set(tiny_target
     assert module.skip_counts() == {}
 
 
-def test_rank_and_world_size_default_to_the_process_group(tiny_target, audio_estimator, demo_data):
+def test_rank_and_world_size_default_to_the_process_group(tiny_target, audio_estimator, demo_data, tmp_path):
     import torch.distributed as dist
 
     cfg = DataConfig(train_ds=DatasetConfig(input_cfg=[InputConfig(type="lhotse_as_conversation",
                                                                    cuts_path=str(demo_data[0]))], batch_size=2))
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         module = SpeechDataModule(cfg, tiny_target.tokenizer, TAG, audio_estimator, seed=0)
         assert (module.rank, module.world_size) == (0, 1)

@@ -303,3 +303,26 @@ def test_bf16_training_on_cpu_feeds_attention_one_dtype(tiny_salm_dir, batches, 
     assert summary.train_loss is not None and torch.isfinite(torch.tensor(summary.train_loss))
     assert calls and all(q == k == v for q, k, v in calls), set(calls)
     assert {q for q, _, _ in calls} == {torch.bfloat16}
+
+
+def test_gradient_checkpointing_recomputes_the_draft_layers_and_trains_the_same(tiny_salm_dir, batches, tmp_path,
+                                                                                monkeypatch):
+    from transformers.models.qwen3 import modeling_qwen3
+
+    calls = []
+    forward = modeling_qwen3.Qwen3MLP.forward
+
+    def counting(self, x):
+        calls.append(torch.is_grad_enabled())
+        return forward(self, x)
+
+    monkeypatch.setattr(modeling_qwen3.Qwen3MLP, "forward", counting)
+    runs = {}
+    for checkpointing in (False, True):
+        calls.clear()
+        summary = train(_recipe(tiny_salm_dir, tmp_path / str(checkpointing), "trainer.max_steps=1", SGD,
+                                f"dflash.gradient_checkpointing={checkpointing}", variant="dflash"), _factory(batches))
+        runs[checkpointing] = (load_file(str(summary.export_dir / "model.safetensors")), list(calls))
+    assert _max_diff(runs[False][0], runs[True][0]) < 1e-6
+    # the draft's 2 MLPs run once more each, in backward, when their activations were not kept
+    assert len(runs[True][1]) == len(runs[False][1]) + 2, (len(runs[True][1]), len(runs[False][1]))

@@ -151,6 +151,7 @@ class DFlashConfig:
     lr_scheduler: Optional[dict] = None
     use_fused_linear_ce: bool = False
     attention_backend: Optional[str] = None
+    gradient_checkpointing: bool = False
     draft_model_config: dict = field(default_factory=dict)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from dflash_train.config.schema import DFlashConfig
+from dflash_train.draft.attention import draft_attention_implementation
 from dflash_train.draft.variants import VARIANT_REGISTRY, DraftVariant
 
 log = logging.getLogger(__name__)
@@ -37,37 +38,6 @@ class DraftSpec:
         return block
 
 
-DTYPE_AGREEING_PREFIX = "one_dtype_"  # no "flash" in it: transformers would treat the name as a flash-attention kernel
-
-
-def _dtype_agreeing(backend: str):
-    """``backend`` with query and key cast to the value's dtype when they differ.
-
-    Under BF16 autocast the draft's values come straight from a linear layer (BF16), while
-    queries and keys pass through RMSNorms with FP32 weights and come out FP32. CUDA's sdpa
-    casts them back under autocast, flex_attention does not (it rejects mixed dtypes, or
-    would compute in FP32); casting here makes every backend see one dtype, the one autocast
-    chose. Without autocast the three already agree and nothing is cast.
-    """
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    def attention(module, query, key, value, *args, **kwargs):
-        if query.dtype != value.dtype or key.dtype != value.dtype:
-            query, key = query.to(value.dtype), key.to(value.dtype)
-        return ALL_ATTENTION_FUNCTIONS[backend](module, query, key, value, *args, **kwargs)
-
-    return attention
-
-
-def draft_attention_implementation(backend: str) -> str:
-    """The name the draft's config uses for ``backend``: its dtype-agreeing wrapper, registered with transformers."""
-    from transformers import AttentionInterface
-
-    name = DTYPE_AGREEING_PREFIX + backend
-    AttentionInterface.register(name, _dtype_agreeing(backend))
-    return name
-
-
 def build_draft_config(target_llm_config, spec: DraftSpec, attention_backend: str):
     """A Qwen3 config for the draft: the target's shape (hidden size, heads, vocab), draft depth."""
     from transformers import Qwen3Config
@@ -95,7 +65,10 @@ def build_draft_config(target_llm_config, spec: DraftSpec, attention_backend: st
 def build_draft(target_llm_config, spec: DraftSpec, attention_backend: str) -> nn.Module:
     """A freshly initialised draft of ``spec.variant`` for this target."""
     draft_cls, _ = spec.variant.load_classes()
-    return draft_cls(build_draft_config(target_llm_config, spec, attention_backend))
+    draft = draft_cls(build_draft_config(target_llm_config, spec, attention_backend))
+    if spec.cfg.gradient_checkpointing:
+        draft.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return draft
 
 
 def build_trainer_core(draft: nn.Module, target, spec: DraftSpec, attention_backend: str) -> nn.Module:

@@ -13,9 +13,8 @@ from torch import nn
 from dflash_train.config.schema import ModelConfig
 from dflash_train.config.validate import TargetDims
 from dflash_train.errors import ConfigError
-from dflash_train.target.base import TapOutput
+from dflash_train.target.llm import FrozenLLM
 from dflash_train.target.splice import SplicedBatch, splice_audio_frames
-from dflash_train.target.taps import record_taps, run_until_taps_done
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +25,7 @@ class TargetLoadError(RuntimeError):
     """The target checkpoint does not match the model it is loaded into."""
 
 
-class SALMTarget(nn.Module):
+class SALMTarget(FrozenLLM):
     """A NeMo SALM held frozen: eval mode always, no parameter requires grad.
 
     Exposes only what draft training needs: the embedding table and LM head (read-only),
@@ -38,9 +37,7 @@ class SALMTarget(nn.Module):
         super().__init__()
         self.salm = salm
         self.perception_dtype: torch.dtype | None = None
-        for param in self.salm.parameters():
-            param.requires_grad_(False)
-        self.train(False)
+        self.freeze()
 
     def run_perception_in(self, dtype: torch.dtype) -> "SALMTarget":
         """Run the audio encoder and projection in ``dtype`` and round their output to it.
@@ -52,26 +49,6 @@ class SALMTarget(nn.Module):
         self.salm.perception.to(dtype)
         self.perception_dtype = dtype
         return self
-
-    def train(self, mode: bool = True) -> "SALMTarget":
-        """Stay in eval mode whatever the caller asks (Lightning calls ``train()`` on every fit)."""
-        return super().train(False)
-
-    @property
-    def llm_config(self):
-        return self.salm.llm.config.get_text_config()
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.decoder_layers)
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.llm_config.hidden_size)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.salm.embed_tokens.num_embeddings)
 
     @property
     def tokenizer(self):
@@ -86,19 +63,6 @@ class SALMTarget(nn.Module):
         """The HF causal LM inside SALM (unwrapped from PEFT when LoRA is installed)."""
         llm = self.salm.llm
         return llm.get_base_model() if hasattr(llm, "get_base_model") else llm
-
-    @property
-    def lm_head(self) -> nn.Module:
-        # SALM moves embed_tokens out of the LLM, so HF's get_output_embeddings() returns None here.
-        return self.causal_lm.lm_head
-
-    @property
-    def decoder(self) -> nn.Module:
-        return self.causal_lm.get_decoder()
-
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        return self.decoder.layers
 
     @property
     def audio_locator_tag_id(self) -> int:
@@ -167,48 +131,6 @@ class SALMTarget(nn.Module):
             sample_ids=sample_ids,
             document_ids=document_ids,
         )
-
-    @torch.no_grad()
-    def forward_taps(
-        self,
-        inputs_embeds: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        layer_ids: Sequence[int],
-        return_last_hidden: bool = False,
-        position_ids: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
-    ) -> TapOutput:
-        """Run the LLM decoder and return the outputs of blocks ``layer_ids`` (pre-final-norm).
-
-        Without ``return_last_hidden`` the forward stops after the deepest tapped block.
-        Packed rows pass ``document_ids`` (``-1`` on padding) and per-document ``position_ids``:
-        attention is then causal within each document only.
-        """
-        if document_ids is not None:
-            attention_mask = document_attention_mask(document_ids)
-        with record_taps(self.decoder_layers, layer_ids, stop_after_last=not return_last_hidden) as taps:
-            out = run_until_taps_done(
-                self.decoder,
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-                return_dict=True,
-            )
-            features = taps.features()
-        return TapOutput(features, out.last_hidden_state if return_last_hidden else None)
-
-
-def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean ``[B, 1, S, S]`` mask: causal, within the same document, never onto padding."""
-    width = document_ids.shape[1]
-    causal = torch.ones(width, width, dtype=torch.bool, device=document_ids.device).tril()
-    same_doc = document_ids[:, :, None] == document_ids[:, None, :]
-    valid = (document_ids >= 0)[:, None, :]
-    mask = causal & same_doc & valid
-    # A padding query row would be all-False (NaN in softmax): let it see itself.
-    mask |= torch.eye(width, dtype=torch.bool, device=document_ids.device)
-    return mask[:, None]
 
 
 def _llm_config_for(model: ModelConfig):

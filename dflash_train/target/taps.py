@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dflash_train.errors import ConfigError
+from dflash_train.target.base import TapOutput
 
 
 class _StopForward(Exception):
@@ -93,3 +94,47 @@ def derive_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> li
         return [(start + end) // 2]
     span = end - start
     return [start + round(i * span / (count - 1)) for i in range(count)]
+
+
+def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[B, 1, S, S]`` mask: causal, within the same document, never onto padding."""
+    width = document_ids.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=document_ids.device).tril()
+    same_doc = document_ids[:, :, None] == document_ids[:, None, :]
+    valid = (document_ids >= 0)[:, None, :]
+    mask = causal & same_doc & valid
+    # A padding query row would be all-False (NaN in softmax): let it see itself.
+    mask |= torch.eye(width, dtype=torch.bool, device=document_ids.device)
+    return mask[:, None]
+
+
+@torch.no_grad()
+def tap_decoder(
+    decoder: nn.Module,
+    layers: nn.ModuleList,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    layer_ids: Sequence[int],
+    return_last_hidden: bool = False,
+    position_ids: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> TapOutput:
+    """Run an HF decoder stack and return the outputs of blocks ``layer_ids`` (pre-final-norm).
+
+    Without ``return_last_hidden`` the forward stops after the deepest tapped block. Packed
+    rows pass ``document_ids`` (``-1`` on padding) and per-document ``position_ids``:
+    attention is then causal within each document only.
+    """
+    if document_ids is not None:
+        attention_mask = document_attention_mask(document_ids)
+    with record_taps(layers, layer_ids, stop_after_last=not return_last_hidden) as taps:
+        out = run_until_taps_done(
+            decoder,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            return_dict=True,
+        )
+        features = taps.features()
+    return TapOutput(features, out.last_hidden_state if return_last_hidden else None)

@@ -1,0 +1,83 @@
+"""The attention functions the draft's layers call, registered with transformers under our own names.
+
+Two problems of the stock functions, fixed here by construction:
+
+* **One dtype.** Under BF16 autocast the draft's values come straight from a linear layer
+  (BF16) while queries and keys pass through RMSNorms with FP32 weights and come out FP32.
+  CUDA's sdpa casts them back under autocast; flex_attention does not (it rejects mixed
+  dtypes). Queries and keys are cast to the values' dtype, the one autocast chose; without
+  autocast the three already agree and nothing is cast.
+* **flex_attention compiled once.** transformers compiles ``flex_attention`` anew whenever
+  ``module.training`` flips (every validation) and specialises on shapes; past
+  ``torch._dynamo.config.recompile_limit`` it silently falls back to eager attention, which
+  materialises the full score matrix (out of memory or a large slowdown). Here it is
+  compiled once, with dynamic shapes, for training and validation alike, and hitting the
+  recompile limit is an error that says what to change.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+ONE_DTYPE_PREFIX = "one_dtype_"  # no "flash" in it: transformers would take the name for a flash-attention kernel
+
+
+class FlexRecompileError(RuntimeError):
+    """flex_attention hit torch.compile's recompile limit (training would have fallen back to eager attention)."""
+
+
+def _agreeing(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if query.dtype != value.dtype or key.dtype != value.dtype:
+        return query.to(value.dtype), key.to(value.dtype)
+    return query, key
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """``[B, H, Q, D]`` queries over ``[B, H_kv, K, D]`` keys under a ``BlockMask``; returns ``([B, Q, H, D], None)``."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(attention_mask, BlockMask):
+        raise TypeError(f"the draft's flex_attention needs a BlockMask, got {type(attention_mask).__name__}")
+    if dropout:
+        raise ValueError("the draft's flex_attention does not implement attention dropout")
+    query, key = _agreeing(query, key, value)
+    try:
+        output = _compiled_flex_attention()(
+            query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        )
+    except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+        raise FlexRecompileError(
+            f"flex_attention recompiled more than torch._dynamo.config.recompile_limit="
+            f"{torch._dynamo.config.recompile_limit} times (query {tuple(query.shape)}, key {tuple(key.shape)}); "
+            "raise the limit or make batch shapes more regular (data.train_ds.use_bucketing, batch_tokens)"
+        ) from err
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _one_dtype(backend: str):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def attention(module, query, key, value, *args, **kwargs):
+        query, key = _agreeing(query, key, value)
+        return ALL_ATTENTION_FUNCTIONS[backend](module, query, key, value, *args, **kwargs)
+
+    return attention
+
+
+def draft_attention_implementation(backend: str) -> str:
+    """The ``_attn_implementation`` name the draft's config uses for ``backend`` (registered on first use)."""
+    from transformers import AttentionInterface
+
+    name = ONE_DTYPE_PREFIX + backend
+    AttentionInterface.register(name, flex_attention_forward if backend == "flex_attention" else _one_dtype(backend))
+    return name

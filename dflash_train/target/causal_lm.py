@@ -1,0 +1,60 @@
+"""A text-only frozen target over any Hugging Face causal LM: draft training without NeMo.
+
+The speech target (:class:`~dflash_train.target.salm.SALMTarget`) is an audio encoder in
+front of exactly such an LLM; everything the draft trainer reads from it (embedding table,
+LM head, tapped decoder blocks, the final hidden state) belongs to the LLM. Holding the LLM
+alone gives the same training path on text batches, which is what the GPU check uses to
+measure a target of realistic width from a stock PyTorch image.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from dflash_train.target.llm import FrozenLLM
+from dflash_train.target.splice import SplicedBatch
+
+
+class CausalLMTarget(FrozenLLM):
+    """A Hugging Face causal LM held frozen (eval mode always, no gradients), text batches only."""
+
+    def __init__(self, causal_lm: nn.Module, pad_id: int = 0):
+        super().__init__()
+        self.llm = causal_lm
+        self.pad_id = int(pad_id)
+        self.freeze()
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        return self.llm
+
+    @torch.no_grad()
+    def splice_batch(
+        self,
+        input_ids: torch.Tensor,
+        lengths: torch.Tensor,
+        loss_mask: torch.Tensor,
+        audios: torch.Tensor,
+        audio_lens: torch.Tensor,
+        audios_per_row: Sequence[int],
+        mask_token_id: int,
+        sample_ids: Sequence[str] | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> SplicedBatch:
+        """Embed the text; a batch with audio is an error (this target has no audio encoder)."""
+        if sum(audios_per_row):
+            raise ValueError(f"CausalLMTarget takes text batches only; got {sum(audios_per_row)} audios")
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        attention_mask = positions[None, :] < lengths.to(input_ids.device)[:, None]
+        return SplicedBatch(
+            inputs_embeds=self.embed_tokens(input_ids),
+            input_ids=input_ids,
+            loss_mask=loss_mask & attention_mask,
+            attention_mask=attention_mask,
+            audio_mask=torch.zeros_like(attention_mask),
+            lengths=lengths,
+            document_ids=document_ids,
+        )

@@ -1,0 +1,87 @@
+"""What every frozen target shares: a Hugging Face causal LM whose decoder blocks are tapped."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from dflash_train.target.base import TapOutput
+from dflash_train.target.taps import tap_decoder
+
+
+class FrozenLLM(nn.Module):
+    """Base of the targets: frozen (no gradients, eval mode always), read through its causal LM.
+
+    A subclass registers its model as a submodule, calls :meth:`freeze`, and says where the
+    causal LM is (:attr:`causal_lm`) and how text becomes LLM inputs (``splice_batch``);
+    depth, width, LM head and the tapped forward are the LLM's.
+    """
+
+    def freeze(self) -> None:
+        """No parameter requires grad; eval mode."""
+        for param in self.parameters():
+            param.requires_grad_(False)
+        self.train(False)
+
+    def train(self, mode: bool = True) -> "FrozenLLM":
+        """Stay in eval mode whatever the caller asks (Lightning calls ``train()`` on every fit)."""
+        return super().train(False)
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        raise NotImplementedError
+
+    @property
+    def llm_config(self):
+        return self.causal_lm.config.get_text_config()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.decoder_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.llm_config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.embed_tokens.num_embeddings)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.causal_lm.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.causal_lm.lm_head
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.causal_lm.get_decoder()
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.decoder.layers
+
+    def forward_taps(
+        self,
+        inputs_embeds: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        layer_ids: Sequence[int],
+        return_last_hidden: bool = False,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> TapOutput:
+        """The outputs of decoder blocks ``layer_ids`` (see :func:`~dflash_train.target.taps.tap_decoder`)."""
+        return tap_decoder(
+            self.decoder,
+            self.decoder_layers,
+            inputs_embeds,
+            attention_mask,
+            layer_ids,
+            return_last_hidden=return_last_hidden,
+            position_ids=position_ids,
+            document_ids=document_ids,
+        )
