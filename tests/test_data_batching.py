@@ -226,3 +226,19 @@ def test_measure_total_length_off_budgets_only_the_prompt_part():
     for _ in range(3):
         strict.add(SimpleNamespace(num_tokens=55, num_supervised=0))
     assert strict.close_to_exceeding() and not strict.exceeded()
+
+
+def test_loader_settings_reach_the_dataloader(tiny_target, audio_estimator, demo_data):
+    module = _module(tiny_target, audio_estimator, [_cuts(demo_data[0])], batch_size=2, num_workers=1,
+                     prefetch_factor=3, pin_memory=False)
+    loader = module.train_dataloader()
+    assert (loader.num_workers, loader.prefetch_factor, loader.pin_memory, loader.persistent_workers) == (1, 3, False, True)
+    batch = next(iter(loader))
+    assert len(batch.sample_ids) == 2
+
+
+def test_prefetch_without_workers_is_a_one_line_error(tiny_target, audio_estimator, demo_data):
+    from dflash_train.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"prefetch_factor=4 needs num_workers > 0"):
+        _module(tiny_target, audio_estimator, [_cuts(demo_data[0])], batch_size=2, num_workers=0, prefetch_factor=4)

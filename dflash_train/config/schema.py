@@ -77,6 +77,8 @@ class DatasetConfig:
     shuffle: Optional[bool] = None
     shuffle_buffer_size: int = 10000
     num_workers: int = 0
+    prefetch_factor: Optional[int] = None
+    pin_memory: Optional[bool] = None
 
 
 @dataclass

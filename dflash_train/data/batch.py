@@ -26,3 +26,11 @@ class SpeechBatch:
     sample_ids: list[str]  # one per row; a packed row joins its documents' ids with "+"
     document_ids: Optional[torch.Tensor] = None  # [B, T] long, packed rows only: document index, -1 on padding
     dataset_name: str = field(default="train")
+
+    def pin_memory(self) -> "SpeechBatch":
+        """The same batch in page-locked host memory (``DataLoader(pin_memory=True)`` calls this)."""
+        pinned = {
+            name: value.pin_memory() if isinstance(value, torch.Tensor) else value
+            for name, value in self.__dict__.items()
+        }
+        return SpeechBatch(**pinned)

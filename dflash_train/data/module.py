@@ -176,12 +176,15 @@ class SpeechDataModule(L.LightningDataModule):
         skip: int = 0,
     ) -> DataLoader:
         sampler = build_sampler(examples, ds, shuffle, seed, rank, world_size)
+        pin = torch.cuda.is_available() if ds.pin_memory is None else ds.pin_memory
         return DataLoader(
             SpeechDataset(self.pad_id, ds.packing, name),
             sampler=_AfterFirst(sampler, skip) if skip else sampler,
             batch_size=None,
             num_workers=ds.num_workers,
             persistent_workers=ds.num_workers > 0,
+            prefetch_factor=ds.prefetch_factor,
+            pin_memory=pin,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -59,6 +59,11 @@ def _check_split(ds: DatasetConfig, key: str) -> None:
         value = getattr(ds, name)
         _require(value is None or value >= 1, f"{key}.{name}={value} must be >= 1")
     _require(ds.num_workers >= 0, f"{key}.num_workers={ds.num_workers} must be >= 0")
+    _require(ds.prefetch_factor is None or ds.prefetch_factor >= 1, f"{key}.prefetch_factor={ds.prefetch_factor} must be >= 1")
+    _require(
+        ds.prefetch_factor is None or ds.num_workers > 0,
+        f"{key}.prefetch_factor={ds.prefetch_factor} needs num_workers > 0 (batches are prefetched by workers)",
+    )
     if ds.packing:
         _require(ds.batch_tokens is not None, f"{key}.packing=true needs batch_tokens (the packed row length)")
         _require(
