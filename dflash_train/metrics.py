@@ -64,14 +64,25 @@ class BlockStats:
         return self.accept_sum / self.blocks if self.blocks > 0 else 0.0
 
 
-def stats_from_step(metrics) -> BlockStats:
-    """Additive sums of one trainer-core step (``DFlashStepMetrics`` / ``DFlash2StepMetrics``)."""
-    return BlockStats(
-        weighted_loss=float(metrics.loss.detach()) * float(metrics.loss_weight),
-        weight=float(metrics.loss_weight),
-        correct=float(metrics.correct_tokens),
-        tokens=float(metrics.valid_tokens),
-        accept_sum=float(metrics.accept_len_sum),
-        blocks=float(metrics.valid_blocks),
-        batches=1.0,
-    )
+WEIGHT_INDEX = [f.name for f in fields(BlockStats)].index("weight")
+
+
+def step_sums(metrics) -> torch.Tensor:
+    """:class:`BlockStats` of one trainer-core step as a float64 tensor on its device, field order.
+
+    Kept on the device so that a training step reads them back once, after its single
+    all-reduce, instead of synchronising the host once per value.
+    """
+    loss = metrics.loss.detach().double()
+    weight = metrics.loss_weight.detach().double()
+    values = [loss * weight, weight] + [
+        torch.as_tensor(v, device=loss.device).detach().double()
+        for v in (metrics.correct_tokens, metrics.valid_tokens, metrics.accept_len_sum, metrics.valid_blocks)
+    ]
+    return torch.stack(values + [torch.ones_like(loss), torch.zeros_like(loss)])
+
+
+def empty_step_sums(device: torch.device) -> torch.Tensor:
+    """The sums of a batch that had no valid anchor: one batch, skipped."""
+    return torch.tensor(BlockStats(batches=1.0, skipped=1.0).as_list(), dtype=torch.float64, device=device)
+

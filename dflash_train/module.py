@@ -23,7 +23,7 @@ from dflash_train.data.batch import SpeechBatch
 from dflash_train.data.packing import document_layout
 from dflash_train.draft.build import DraftSpec, build_trainer_core
 from dflash_train.labels import target_argmax_labels
-from dflash_train.metrics import BlockStats, all_reduce_sum, stats_from_step, world_size
+from dflash_train.metrics import WEIGHT_INDEX, BlockStats, all_reduce_sum, empty_step_sums, step_sums, world_size
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class ModuleSettings:
     optim: OptimSettings = field(default_factory=OptimSettings)
     val_names: list[str] = field(default_factory=lambda: ["val"])
     fsdp_param_dtype: Optional[torch.dtype] = None  # FSDP2 compute/all-gather dtype (BF16 runs); grads reduce in FP32
+    length_multiple: Optional[int] = None  # right-pad the draft's inputs to a multiple (flex: fewer distinct shapes)
 
 
 @dataclass
@@ -66,6 +67,33 @@ class StepInputs:
     position_ids: torch.Tensor
     seq_lens: torch.Tensor
     doc_remaining: torch.Tensor
+
+
+def pad_to_multiple(inputs: StepInputs, multiple: int) -> StepInputs:
+    """Right-pad the sequence axis to a multiple of ``multiple`` with positions no block can use.
+
+    Padding is what short rows already have: no supervision, no document (``doc_remaining``
+    -1), zero features; it is never an anchor, a label or a context position, so the loss
+    and gradients are unchanged. Compiled attention then sees at most one sequence length
+    per ``multiple`` instead of one per batch.
+    """
+    length = inputs.input_ids.shape[1]
+    extra = -length % multiple
+    if extra == 0:
+        return inputs
+
+    def pad(tensor: torch.Tensor, value) -> torch.Tensor:
+        shape = (tensor.shape[0], extra, *tensor.shape[2:])
+        return torch.cat([tensor, tensor.new_full(shape, value)], dim=1)
+
+    return StepInputs(
+        input_ids=pad(inputs.input_ids, 0),
+        features=pad(inputs.features, 0),
+        loss_mask=pad(inputs.loss_mask, False),
+        position_ids=pad(inputs.position_ids, 0),
+        seq_lens=inputs.seq_lens,
+        doc_remaining=pad(inputs.doc_remaining, -1),
+    )
 
 
 class DFlashDraftModule(L.LightningModule):
@@ -146,7 +174,10 @@ class DFlashDraftModule(L.LightningModule):
         ids = spliced.input_ids
         if argmax:
             ids = target_argmax_labels(ids, spliced.loss_mask, taps.last_hidden, target.lm_head)
-        return StepInputs(ids, taps.features, spliced.loss_mask, layout.position_ids, layout.seq_lens, layout.doc_remaining)
+        inputs = StepInputs(ids, taps.features, spliced.loss_mask, layout.position_ids, layout.seq_lens, layout.doc_remaining)
+        if self.settings.length_multiple:
+            inputs = pad_to_multiple(inputs, self.settings.length_multiple)
+        return inputs
 
     def has_valid_anchor(self, inputs: StepInputs) -> bool:
         """Whether any row holds a supervised position with a full block left in its document."""
@@ -194,15 +225,16 @@ class DFlashDraftModule(L.LightningModule):
     def _forward_core(self, inputs: StepInputs, rng_key: int):
         """The core on ``inputs``, or on :meth:`placeholder_inputs` with zero weight when they hold no anchor.
 
-        Returns ``(metrics, stats, loss_sum)``: ``loss_sum`` is Σ w·CE of this batch, the
-        quantity whose gradient, summed over ranks and micro-batches and divided by the
-        window's Σ w, is the gradient of the exact window loss.
+        Returns ``(metrics, sums, loss_sum)``: ``sums`` are the batch's :class:`BlockStats`
+        as a device tensor (:func:`~dflash_train.metrics.step_sums`); ``loss_sum`` is Σ w·CE
+        of this batch, the quantity whose gradient, summed over ranks and micro-batches and
+        divided by the window's Σ w, is the gradient of the exact window loss.
         """
         if self.has_valid_anchor(inputs):
             metrics = self.run_core(inputs, rng_key)
-            return metrics, stats_from_step(metrics), metrics.loss * metrics.loss_weight
+            return metrics, step_sums(metrics), metrics.loss * metrics.loss_weight
         metrics = self.run_core(self.placeholder_inputs(inputs), rng_key)
-        return None, BlockStats(batches=1.0, skipped=1.0), metrics.loss * 0.0
+        return None, empty_step_sums(self.device), metrics.loss * 0.0
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: SpeechBatch, batch_idx: int) -> None:
@@ -219,23 +251,24 @@ class DFlashDraftModule(L.LightningModule):
         accumulate = self.settings.optim.accumulate_grad_batches
         micro = batch_idx % accumulate  # not batch_idx itself: it restarts when a run resumes
         inputs = self.prepare(batch)
-        metrics, stats, loss_sum = self._forward_core(inputs, self._rng_key(self.global_step, micro, 0))
+        metrics, sums, loss_sum = self._forward_core(inputs, self._rng_key(self.global_step, micro, 0))
         if metrics is None:
             self.skip_counts[SKIP_NO_ANCHOR] += 1
         # DP frameworks average gradients over ranks; the world size undoes that average.
         self.manual_backward(loss_sum * world_size())
-        self._window_weight += stats.weight
+        self._window_weight = self._window_weight + sums[WEIGHT_INDEX]
         stepped = True
         if micro == accumulate - 1:
             stepped = self._finish_window(optimizer)
-        self._log_train(stats, metrics, inputs, started, stepped)
+        self._log_train(sums, metrics, inputs, started, stepped)
 
     def on_train_epoch_start(self) -> None:
         self._window_weight = 0.0
 
     def _finish_window(self, optimizer) -> bool:
         """Normalise, clip and apply the window's gradients; ``False`` if no rank had a supervised position."""
-        total = float(all_reduce_sum(torch.tensor([self._window_weight], device=self.device, dtype=torch.float64)))
+        window = torch.as_tensor(self._window_weight, dtype=torch.float64, device=self.device).reshape(1)
+        total = float(all_reduce_sum(window))  # the one host sync the step decision needs
         self._window_weight = 0.0
         params = self.trainable_parameters()
         if total > 0:
@@ -254,13 +287,14 @@ class DFlashDraftModule(L.LightningModule):
             scheduler.step()
         return total > 0
 
-    def _log_train(self, stats: BlockStats, metrics, inputs: StepInputs, started: float, stepped: bool) -> None:
-        """Log this step's sums over all ranks, gathered in a single all-reduce."""
+    def _log_train(self, sums: torch.Tensor, metrics, inputs: StepInputs, started: float, stepped: bool) -> None:
+        """Log this step's sums over all ranks: one all-reduce, one read-back to the host."""
         elapsed = time.perf_counter() - started
         reasons, data_skips = self._local_data_skips()
-        local = stats.as_list() + [float(inputs.doc_remaining.ge(0).sum()), float(self.skip_counts[SKIP_NO_ANCHOR])]
-        summed = all_reduce_sum(torch.tensor(local + data_skips, dtype=torch.float64, device=self.device)).tolist()
-        count = len(stats.as_list())
+        tokens_here = inputs.doc_remaining.ge(0).sum().double().reshape(1)
+        host = torch.tensor([float(self.skip_counts[SKIP_NO_ANCHOR])] + data_skips, dtype=torch.float64, device=self.device)
+        summed = all_reduce_sum(torch.cat([sums, tokens_here, host])).tolist()
+        count = len(sums)
         total, (tokens, no_anchor) = BlockStats(*summed[:count]), summed[count : count + 2]
         values = {
             "train/dflash_loss": total.loss,
@@ -312,8 +346,8 @@ class DFlashDraftModule(L.LightningModule):
     def validation_step(self, batch: SpeechBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
         name = self.settings.val_names[dataloader_idx]
         inputs = self.prepare(batch)
-        _, stats, _ = self._forward_core(inputs, self._rng_key(0, batch_idx, 1 + dataloader_idx))
-        self._val_stats[name].add(stats)
+        _, sums, _ = self._forward_core(inputs, self._rng_key(0, batch_idx, 1 + dataloader_idx))
+        self._val_stats[name].add(BlockStats(*sums.tolist()))
 
     def on_validation_epoch_end(self) -> None:
         overall = BlockStats()

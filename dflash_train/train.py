@@ -30,6 +30,8 @@ from dflash_train.target import load_target_for_run
 
 log = logging.getLogger(__name__)
 
+# flex_attention's block size: the draft's inputs are padded to it so few shapes are compiled.
+FLEX_LENGTH_MULTIPLE = 128
 # Lightning arguments the module implements itself (manual optimisation).
 MANUAL_TRAINER_KEYS = ("gradient_clip_val", "accumulate_grad_batches")
 
@@ -332,6 +334,7 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
         ),
         val_names=list(getattr(datamodule, "val_names", ["val"])),
         fsdp_param_dtype=torch.bfloat16 if run.trainer.precision.startswith("bf16") else None,
+        length_multiple=FLEX_LENGTH_MULTIPLE if backend == "flex_attention" else None,
     )
     module = DFlashDraftModule(target, draft, spec, settings)
 

@@ -326,3 +326,30 @@ def test_gradient_checkpointing_recomputes_the_draft_layers_and_trains_the_same(
     assert _max_diff(runs[False][0], runs[True][0]) < 1e-6
     # the draft's 2 MLPs run once more each, in backward, when their activations were not kept
     assert len(runs[True][1]) == len(runs[False][1]) + 2, (len(runs[True][1]), len(runs[False][1]))
+
+
+def test_padding_the_draft_inputs_to_a_multiple_changes_no_loss_or_gradient(tiny_salm_dir, tiny_target, batches):
+    """flex runs pad every batch to a multiple of 128 positions; the padding must be inert."""
+    from dflash_train.draft import DraftSpec, build_draft
+    from dflash_train.module import DFlashDraftModule, ModuleSettings, pad_to_multiple
+
+    validated = _recipe(tiny_salm_dir, "unused", variant="dflash2")
+    spec = DraftSpec(validated.run.dflash, (1, 3), 320, tiny_target.num_layers)
+    torch.manual_seed(0)
+    draft = build_draft(tiny_target.llm_config, spec, "sdpa")
+    module = DFlashDraftModule(tiny_target, draft, spec, ModuleSettings(layer_ids=[1, 3]))
+    inputs = module.prepare(batches[0][0])
+    padded = pad_to_multiple(inputs, 128)
+    assert inputs.input_ids.shape[1] % 128 and padded.input_ids.shape[1] % 128 == 0
+    results = []
+    for step_inputs in (inputs, padded):
+        draft.zero_grad(set_to_none=True)
+        metrics = module.run_core(step_inputs, rng_key=11)
+        (metrics.loss * metrics.loss_weight).backward()
+        results.append((metrics, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}))
+    (plain, plain_grads), (pad, pad_grads) = results
+    assert float(pad.loss_weight) == float(plain.loss_weight) > 0
+    assert float(pad.loss) == pytest.approx(float(plain.loss), rel=1e-6)
+    worst = max(((pad_grads[n] - plain_grads[n]).abs().max() / plain_grads[n].abs().max().clamp_min(1e-12)).item()
+                for n in plain_grads)
+    assert worst < 1e-5, worst
