@@ -6,7 +6,7 @@ Long audio is rare in most speech sets, and a token budget packs few long exampl
 batch, so a draft can see far less long-audio signal than the example count suggests.
 This runs the recipe's real training sampler (its token budget, bucketing, filters,
 shuffle and seed, as rank 0 of a one-process run; audio is never loaded) for ``--batches``
-batches and counts, per batch, the anchors the DFlash objective can draw (DESIGN.md §3C:
+batches and counts, per batch, the anchors the DFlash objective can draw (docs/evaluation.md:
 a supervised position with a whole block left in its row / document, at most
 ``num_anchors`` per row, drawn uniformly) for each example. The estimate is
 

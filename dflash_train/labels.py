@@ -1,4 +1,4 @@
-"""Label sources (DESIGN.md §3D): ground truth, or the frozen target's greedy next token."""
+"""Label sources (docs/training.md, Choose the labels): ground truth, or the frozen target's greedy next token."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ class ModuleSettings:
 
 @dataclass
 class StepInputs:
-    """The trainer core's inputs for one batch (DESIGN.md §3B–3D)."""
+    """The trainer core's inputs for one batch (docs/target.md, docs/training.md)."""
 
     input_ids: torch.Tensor
     features: torch.Tensor

@@ -1,4 +1,4 @@
-"""Audio splicing per DESIGN.md §3B on real speech through the real SALM perception."""
+"""Audio splicing (docs/target.md, Audio splicing) on real speech through the real SALM perception."""
 
 import pytest
 import torch

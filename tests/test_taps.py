@@ -1,4 +1,4 @@
-"""Taps per DESIGN.md §3A, checked against the real SALM LLM's own hidden states."""
+"""Taps (docs/target.md, Taps), checked against the real SALM LLM's own hidden states."""
 
 import pytest
 import torch

@@ -134,7 +134,7 @@ class ExpManagerConfig:
 
 @dataclass
 class DFlashConfig:
-    """The DFlash draft and its training objective (DESIGN.md §3C)."""
+    """The DFlash draft and its training objective (docs/training.md, docs/configuration.md)."""
 
     variant: str = "dflash"
     block_size: int = 8

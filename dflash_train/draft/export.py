@@ -1,4 +1,4 @@
-"""The draft-only HF export vLLM loads (DESIGN.md §3E), and its strict reload.
+"""The draft-only HF export vLLM loads (docs/serving.md), and its strict reload.
 
 The export is a pure state-dict/config adapter: training names in, serving names out.
 """

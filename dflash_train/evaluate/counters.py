@@ -1,4 +1,4 @@
-"""Acceptance counters of speculative decoding, kept the way vLLM keeps them (DESIGN.md §3G).
+"""Acceptance counters of speculative decoding, kept the way vLLM keeps them (docs/evaluation.md).
 
 Every draft round proposes K tokens; the target verifies them greedily and accepts the
 longest prefix equal to its own greedy tokens, then adds one token of its own (the bonus).

@@ -2,7 +2,7 @@
 
 Speculative decoding needs three things from the target per step: the logits of every
 position it just processed (to verify proposals and pick the next token), the tapped
-features of those positions (the draft's context, DESIGN.md §3A: pre-final-norm block
+features of those positions (the draft's context, docs/target.md: pre-final-norm block
 outputs, captured with the same hooks training uses) and a cache it can roll back to the
 accepted prefix. :class:`TargetSession` gives exactly that for one sequence.
 """

@@ -1,4 +1,4 @@
-"""Splice perception frames into the text sequence (DESIGN.md §3B).
+"""Splice perception frames into the text sequence (docs/target.md, Audio splicing).
 
 Every audio placeholder token expands into that audio's frames. At frame positions the
 id becomes ``mask_token_id`` and the loss mask is false. Rows come back right-padded, so

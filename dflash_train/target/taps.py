@@ -1,4 +1,4 @@
-"""Hidden-state taps on a decoder's blocks (DESIGN.md §3A).
+"""Hidden-state taps on a decoder's blocks (docs/target.md, Taps).
 
 Feature *i* is the residual stream leaving decoder block *i*, before the final norm,
 captured with forward hooks (HF's ``hidden_states`` tuple puts the post-norm tensor in

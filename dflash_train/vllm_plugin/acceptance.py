@@ -4,7 +4,7 @@ vLLM counts, per engine, ``vllm:spec_decode_num_drafts`` (draft rounds),
 ``..._num_draft_tokens`` (tokens proposed), ``..._num_accepted_tokens`` and the vector
 ``..._num_accepted_tokens_per_pos`` (entry k-1: rounds whose first k proposals were all
 accepted). These are exactly the fields of :class:`AcceptanceCounters`, which derives the
-pooled MAL and per-position acceptance (definitions in its module, DESIGN.md §3G). vLLM does
+pooled MAL and per-position acceptance (definitions in its module and docs/evaluation.md). vLLM does
 not export proposals per position; every round proposes K tokens unless cut short, so
 proposed@k = rounds, checked by ``draft_tokens == K x drafts`` (:attr:`ServingReport.full_rounds`).
 

@@ -3,7 +3,7 @@
 nemo_automodel trains ``Qwen3DFlashDraftModel`` / ``Qwen3DFlash2DraftModel``; vLLM serves
 ``DFlashDraftModel`` / ``DFlash2DraftModel``, and its ``EAGLEConfig`` rewrites a DFlash
 draft's architecture ``X`` to ``DFlashX`` unless ``X`` starts or ends with ``DFlash``. Our
-exports already carry vLLM's names (DESIGN.md §3E); the aliases make drafts written with
+exports already carry vLLM's names (docs/serving.md); the aliases make drafts written with
 training names (other exporters, older exports) load too. vLLM-free: works on any object
 with vLLM's registry shape (``models`` dict + ``register_model``).
 """
