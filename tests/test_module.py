@@ -58,18 +58,25 @@ def _series(rows, key):
 
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
 def test_training_lowers_loss_exports_and_keeps_target_frozen(tiny_salm_dir, tiny_target, batches, tmp_path, variant):
-    target_before = {k: v.clone() for k, v in tiny_target.state_dict().items()}
+    used = {}
+
+    def factory(run, target):  # called with the target the run loaded and trains against
+        used["target"], used["before"] = target, {k: v.clone() for k, v in target.state_dict().items()}
+        return ListDataModule(*batches)
+
     validated = _recipe(tiny_salm_dir, tmp_path, "trainer.max_steps=12", "trainer.val_check_interval=12", "dflash.lr=1e-2",
                         "dflash.label_source=ground_truth",
                         variant=variant)
-    summary = train(validated, _factory(batches))
+    summary = train(validated, factory)
 
     assert summary.steps == 12
     losses = _series(_csv_rows(tmp_path), "train/dflash_loss")
     assert len(losses) == 12 and losses[-1] < 0.8 * losses[0], losses
-    assert summary.val_accept_len is not None and summary.val_accept_len >= 1.0
-    # target bit-identical, never in the checkpoint
-    assert all(torch.equal(v, target_before[k]) for k, v in tiny_target.state_dict().items())
+    assert summary.val_accept_len is not None and summary.val_accept_len > 1.02  # 1.0 = nothing accepted; measured 1.055-1.061
+    # the target the run used is bit-identical to its checkpoint (a separate load) after training, never checkpointed
+    after, on_disk = used["target"].state_dict(), tiny_target.state_dict()
+    assert after.keys() == used["before"].keys() == on_disk.keys() and len(after) > 10
+    assert all(torch.equal(after[k], used["before"][k]) and torch.equal(after[k], on_disk[k]) for k in after)
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     assert ckpt["state_dict"] and all(k.startswith("core.draft_model.") for k in ckpt["state_dict"])
     # export: vLLM names, no prefix, no embeddings / head, strict reload done by the recipe
