@@ -56,11 +56,17 @@ def splice_audio_frames(
         )
     rows = []
     next_audio = 0
+    # Two host reads per batch (not per row): row lengths and placeholder positions.
+    row_lengths = lengths.tolist()
+    placeholders: list[list[int]] = [[] for _ in range(batch)]
+    for row, pos in (input_ids == placeholder_id).nonzero().tolist():
+        if pos < row_lengths[row]:
+            placeholders[row].append(pos)
     for i in range(batch):
-        n = int(lengths[i])
+        n = int(row_lengths[i])
         ids, mask, embs = input_ids[i, :n], loss_mask[i, :n].bool(), text_embeds[i, :n]
         docs = document_ids[i, :n] if document_ids is not None else torch.zeros_like(ids)
-        where = (ids == placeholder_id).nonzero(as_tuple=True)[0].tolist()
+        where = placeholders[i]
         if len(where) != audios_per_row[i]:
             name = sample_ids[i] if sample_ids is not None else f"row {i}"
             raise PlaceholderMismatchError(
@@ -93,8 +99,9 @@ def splice_audio_frames(
 
 
 def _right_pad(rows, pad_id: int, like: torch.Tensor) -> SplicedBatch:
-    new_lengths = torch.tensor([r[0].shape[0] for r in rows], device=like.device)
-    width = int(new_lengths.max()) if rows else 0
+    row_lengths = [r[0].shape[0] for r in rows]
+    new_lengths = torch.tensor(row_lengths, device=like.device)
+    width = max(row_lengths, default=0)
     batch, hidden = len(rows), like.shape[-1]
     ids = torch.full((batch, width), pad_id, dtype=torch.long, device=like.device)
     loss = torch.zeros(batch, width, dtype=torch.bool, device=like.device)
