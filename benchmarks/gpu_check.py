@@ -53,6 +53,7 @@ from dflash_train.atomic import atomic_directory  # noqa: E402
 from dflash_train.config.schema import DFlash2Config  # noqa: E402
 from dflash_train.data.batch import SpeechBatch  # noqa: E402
 from dflash_train.draft import DraftSpec, build_draft  # noqa: E402
+from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE  # noqa: E402
 from dflash_train.draft.export import full_state_dict, verify_export, write_export  # noqa: E402
 from dflash_train.module import DFlashDraftModule, ModuleSettings, OptimSettings  # noqa: E402
 from dflash_train.target.causal_lm import CausalLMTarget  # noqa: E402
@@ -259,7 +260,8 @@ def _module(sizes: Sizes, target: CausalLMTarget, device: torch.device) -> DFlas
     torch.manual_seed(0)
     draft = build_draft(target.llm_config, spec, backend)
     settings = ModuleSettings(layer_ids=list(spec.layer_ids), attention_backend=backend,
-                              optim=OptimSettings(lr=3e-4), fsdp_param_dtype=torch.bfloat16)
+                              optim=OptimSettings(lr=3e-4), fsdp_param_dtype=torch.bfloat16,
+                              length_multiple=FLEX_LENGTH_MULTIPLE if backend == "flex_attention" else None)
     return DFlashDraftModule(target, draft, spec, settings)
 
 

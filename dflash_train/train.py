@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from dflash_train.atomic import AtomicCheckpointIO, atomic_directory
 from dflash_train.config.schema import LIGHTNING_PRECISION, RunConfig
 from dflash_train.config.validate import ValidatedConfig
+from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE
 from dflash_train.draft.build import DraftSpec, build_draft, warm_start
 from dflash_train.draft.variants import VARIANT_REGISTRY
 from dflash_train.draft.export import full_state_dict, verify_export, write_export
@@ -30,8 +31,6 @@ from dflash_train.target import load_target_for_run
 
 log = logging.getLogger(__name__)
 
-# flex_attention's block size: the draft's inputs are padded to it so few shapes are compiled.
-FLEX_LENGTH_MULTIPLE = 128
 # Lightning arguments the module implements itself (manual optimisation).
 MANUAL_TRAINER_KEYS = ("gradient_clip_val", "accumulate_grad_batches")
 

@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+# flex_attention's block size: flex runs pad the draft's inputs to a multiple of it, so few lengths are compiled.
+FLEX_LENGTH_MULTIPLE = 128
 ONE_DTYPE_PREFIX = "one_dtype_"  # no "flash" in it: transformers would take the name for a flash-attention kernel
 
 
