@@ -52,7 +52,6 @@ class PreemptionCheckpoint(Callback):
         self.requeue = requeue
         self.received: int = 0
         self.stopped_by: Optional[str] = None
-        self.stopped_at: Optional[int] = None
         self._previous: dict[int, Any] = {}
 
     def _note(self, signum: int, _frame) -> None:
@@ -86,7 +85,7 @@ class PreemptionCheckpoint(Callback):
             return
         name = signal.Signals(PREEMPTION_SIGNALS[int(flags.argmax())]).name
         trainer.save_checkpoint(str(self.checkpoint_path))  # every rank: a collective under FSDP2
-        self.stopped_by, self.stopped_at = name, trainer.global_step
+        self.stopped_by = name
         trainer.should_stop = True
         if trainer.is_global_zero:
             log.warning(

@@ -191,10 +191,11 @@ class ProgressLog(Callback):
 
     def __init__(self, every: int):
         self.every = max(1, int(every))
+        self._last: Optional[int] = None  # with accumulation several micro-batches end at one step
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         step = trainer.global_step
-        if not trainer.is_global_zero or step % self.every or step == getattr(self, "_last", None):
+        if not trainer.is_global_zero or step % self.every or step == self._last:
             return
         self._last = step
         metrics = trainer.callback_metrics
@@ -307,8 +308,10 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
         datamodule_factory = build_datamodule
     L.seed_everything(run.seed, workers=True)
     target, layer_ids, mask_token_id = load_target_for_run(run)
-    if run.trainer.precision.startswith("bf16"):
-        target.to(torch.bfloat16)
+    # BF16 runs: frozen target in BF16, FSDP2 computes in BF16 (the draft's master weights stay FP32)
+    half = torch.bfloat16 if run.trainer.precision.startswith("bf16") else None
+    if half is not None:
+        target.to(half)
     spec = DraftSpec(run.dflash, tuple(layer_ids), mask_token_id, target.num_layers)
     draft = build_draft(target.salm.llm.config, spec, backend)
     if run.dflash.init_from_pretrained:
@@ -332,7 +335,7 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
             accumulate_grad_batches=int(trainer_kwargs.pop("accumulate_grad_batches", 1) or 1),
         ),
         val_names=list(getattr(datamodule, "val_names", ["val"])),
-        fsdp_param_dtype=torch.bfloat16 if run.trainer.precision.startswith("bf16") else None,
+        fsdp_param_dtype=half,
         length_multiple=FLEX_LENGTH_MULTIPLE if backend == "flex_attention" else None,
     )
     module = DFlashDraftModule(target, draft, spec, settings)
@@ -356,7 +359,7 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
         "precision: trainer.precision=%s runs Lightning '%s' (docs/training.md, Precision); frozen target in %s",
         run.trainer.precision,
         precision,
-        "bfloat16" if run.trainer.precision.startswith("bf16") else "float32",
+        str(half or torch.float32).removeprefix("torch."),
     )
     trainer = L.Trainer(
         **trainer_kwargs,
