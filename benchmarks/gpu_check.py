@@ -53,7 +53,6 @@ from dflash_train.atomic import atomic_directory  # noqa: E402
 from dflash_train.config.schema import DFlash2Config  # noqa: E402
 from dflash_train.data.batch import SpeechBatch  # noqa: E402
 from dflash_train.draft import DraftSpec, build_draft  # noqa: E402
-from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE  # noqa: E402
 from dflash_train.draft.export import full_state_dict, verify_export, write_export  # noqa: E402
 from dflash_train.module import DFlashDraftModule, ModuleSettings, OptimSettings  # noqa: E402
 from dflash_train.target.causal_lm import CausalLMTarget  # noqa: E402
@@ -219,7 +218,8 @@ def backend_agreement(sizes: Sizes, target: CausalLMTarget, device: torch.device
             reference = {k: v.clone() for k, v in draft.state_dict().items()}
         draft.load_state_dict(reference)
         module = DFlashDraftModule(target, draft, spec, ModuleSettings(layer_ids=list(spec.layer_ids),
-                                                                     attention_backend=backend)).to(device)
+                                                                     attention_backend=backend,
+                                                                     stable_shapes=True)).to(device)
         moved = SpeechBatch(**{**batch.__dict__, "input_ids": batch.input_ids.to(device),
                                "loss_mask": batch.loss_mask.to(device), "lengths": batch.lengths.to(device)})
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -260,8 +260,7 @@ def _module(sizes: Sizes, target: CausalLMTarget, device: torch.device) -> DFlas
     torch.manual_seed(0)
     draft = build_draft(target.llm_config, spec, backend)
     settings = ModuleSettings(layer_ids=list(spec.layer_ids), attention_backend=backend,
-                              optim=OptimSettings(lr=3e-4), fsdp_param_dtype=torch.bfloat16,
-                              length_multiple=FLEX_LENGTH_MULTIPLE if backend == "flex_attention" else None)
+                              optim=OptimSettings(lr=3e-4), fsdp_param_dtype=torch.bfloat16)
     return DFlashDraftModule(target, draft, spec, settings)
 
 

@@ -21,7 +21,8 @@ import torch
 
 from dflash_train.data.batch import SpeechBatch
 from dflash_train.data.packing import document_layout
-from dflash_train.draft.build import DraftSpec, build_trainer_core
+from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE
+from dflash_train.draft.build import DraftSpec, anchor_count_multiple, build_trainer_core
 from dflash_train.labels import target_argmax_labels
 from dflash_train.metrics import WEIGHT_INDEX, BlockStats, all_reduce_sum, empty_step_sums, step_sums, world_size
 
@@ -54,7 +55,12 @@ class ModuleSettings:
     optim: OptimSettings = field(default_factory=OptimSettings)
     val_names: list[str] = field(default_factory=lambda: ["val"])
     fsdp_param_dtype: Optional[torch.dtype] = None  # FSDP2 compute/all-gather dtype (BF16 runs); grads reduce in FP32
-    length_multiple: Optional[int] = None  # right-pad the draft's inputs to a multiple (flex: fewer distinct shapes)
+    stable_shapes: Optional[bool] = None  # pad lengths and anchor counts to multiples (None: on for flex)
+
+    @property
+    def pads_shapes(self) -> bool:
+        """Whether batches are padded to stable shapes: fewer distinct shapes for a compiled kernel."""
+        return self.attention_backend == "flex_attention" if self.stable_shapes is None else self.stable_shapes
 
 
 @dataclass
@@ -105,7 +111,13 @@ class DFlashDraftModule(L.LightningModule):
         object.__setattr__(self, "target", target)
         self.spec = spec
         self.settings = settings
-        self.core = build_trainer_core(draft, target, spec, settings.attention_backend)
+        self.core = build_trainer_core(
+            draft,
+            target,
+            spec,
+            settings.attention_backend,
+            anchor_multiple=anchor_count_multiple(spec.cfg.block_size) if settings.pads_shapes else None,
+        )
         self.skip_counts: Counter[str] = Counter()
         self._val_stats: dict[str, BlockStats] = {}
         self._window_weight = 0.0  # this rank's Σ w over the current accumulation window
@@ -175,8 +187,8 @@ class DFlashDraftModule(L.LightningModule):
         if argmax:
             ids = target_argmax_labels(ids, spliced.loss_mask, taps.last_hidden, target.lm_head)
         inputs = StepInputs(ids, taps.features, spliced.loss_mask, layout.position_ids, layout.seq_lens, layout.doc_remaining)
-        if self.settings.length_multiple:
-            inputs = pad_to_multiple(inputs, self.settings.length_multiple)
+        if self.settings.pads_shapes:
+            inputs = pad_to_multiple(inputs, FLEX_LENGTH_MULTIPLE)
         return inputs
 
     def has_valid_anchor(self, inputs: StepInputs) -> bool:

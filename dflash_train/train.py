@@ -20,7 +20,6 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from dflash_train.atomic import AtomicCheckpointIO, atomic_directory
 from dflash_train.config.schema import LIGHTNING_PRECISION, RunConfig
 from dflash_train.config.validate import ValidatedConfig
-from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE
 from dflash_train.draft.build import DraftSpec, build_draft, warm_start
 from dflash_train.draft.variants import VARIANT_REGISTRY
 from dflash_train.draft.export import full_state_dict, verify_export, write_export
@@ -336,7 +335,6 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
         ),
         val_names=list(getattr(datamodule, "val_names", ["val"])),
         fsdp_param_dtype=half,
-        length_multiple=FLEX_LENGTH_MULTIPLE if backend == "flex_attention" else None,
     )
     module = DFlashDraftModule(target, draft, spec, settings)
 

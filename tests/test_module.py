@@ -360,3 +360,38 @@ def test_padding_the_draft_inputs_to_a_multiple_changes_no_loss_or_gradient(tiny
     worst = max(((pad_grads[n] - plain_grads[n]).abs().max() / plain_grads[n].abs().max().clamp_min(1e-12)).item()
                 for n in plain_grads)
     assert worst < 1e-5, worst
+
+
+def test_rounding_the_anchor_count_up_changes_no_loss_or_gradient(tiny_salm_dir, tiny_target, batches):
+    """flex runs round the anchors per batch up to a multiple; the added blocks must be inert."""
+    from dflash_train.draft import DraftSpec, build_draft
+    from dflash_train.draft.build import anchor_count_multiple
+    from dflash_train.module import DFlashDraftModule, ModuleSettings
+
+    validated = _recipe(tiny_salm_dir, "unused", variant="dflash2")
+    spec = DraftSpec(validated.run.dflash, (1, 3), 320, tiny_target.num_layers)
+    torch.manual_seed(0)
+    draft = build_draft(tiny_target.llm_config, spec, "sdpa")
+    results = []
+    for stable in (False, True):
+        module = DFlashDraftModule(tiny_target, draft, spec, ModuleSettings(layer_ids=[1, 3], stable_shapes=stable))
+        inputs = module.prepare(batches[0][0])
+        drawn = []
+        sample = module.core._sample_anchor_positions
+        module.core._sample_anchor_positions = lambda *a, **k: drawn.append(sample(*a, **k)) or drawn[-1]
+        draft.zero_grad(set_to_none=True)
+        metrics = module.run_core(inputs, rng_key=11)
+        (metrics.loss * metrics.loss_weight).backward()
+        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+        results.append((drawn[0], metrics, grads))
+    (plain_anchors, plain, plain_grads), (round_anchors, rounded, round_grads) = results
+    multiple = anchor_count_multiple(spec.cfg.block_size)
+    assert plain_anchors[0].shape[1] % multiple, "the batch must draw a count the rounding changes"
+    assert round_anchors[0].shape[1] % multiple == 0 and round_anchors[0].shape[1] > plain_anchors[0].shape[1]
+    width = plain_anchors[0].shape[1]
+    assert torch.equal(round_anchors[0][:, :width], plain_anchors[0]) and not round_anchors[1][:, width:].any()
+    assert float(rounded.loss_weight) == pytest.approx(float(plain.loss_weight), rel=1e-6) and float(plain.loss_weight) > 0
+    assert float(rounded.loss) == pytest.approx(float(plain.loss), rel=1e-6)
+    worst = max(((round_grads[n] - plain_grads[n]).abs().max() / plain_grads[n].abs().max().clamp_min(1e-12)).item()
+                for n in plain_grads)
+    assert worst < 1e-5, worst

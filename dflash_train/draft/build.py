@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from dflash_train.config.schema import DFlashConfig
-from dflash_train.draft.attention import draft_attention_implementation
+from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE, draft_attention_implementation
 from dflash_train.draft.variants import VARIANT_REGISTRY, DraftVariant
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,47 @@ def build_draft(target_llm_config, spec: DraftSpec, attention_backend: str) -> n
     return draft
 
 
-def build_trainer_core(draft: nn.Module, target, spec: DraftSpec, attention_backend: str) -> nn.Module:
-    """nemo_automodel's trainer core (anchors, block mask, decayed CE, metrics) around ``draft``."""
+def anchor_count_multiple(block_size: int) -> int:
+    """Anchors per row are rounded up to a multiple of this, so the draft's query length
+    (anchors × block size) is a multiple of ``FLEX_LENGTH_MULTIPLE`` (fewer distinct flex shapes)."""
+    return max(1, FLEX_LENGTH_MULTIPLE // block_size)
+
+
+def with_stable_anchor_count(trainer_cls: type, multiple: int) -> type:
+    """``trainer_cls`` whose per-batch anchor count is rounded up to ``multiple`` (capped at
+    ``num_anchors``).
+
+    nemo_automodel draws ``min(num_anchors, richest row's valid anchors)`` blocks per row, so
+    the block count changes with every batch. The added blocks are the library's own padding
+    (anchor 0, ``keep_mask`` false): no label, no loss, no metric; the random draw is unchanged,
+    so the same seed selects the same anchors with or without the rounding.
+    """
+
+    class StableAnchorCount(trainer_cls):
+        def _sample_anchor_positions(self, seq_len, loss_mask, device, doc_remaining=None):
+            anchors, keep = super()._sample_anchor_positions(seq_len, loss_mask, device, doc_remaining=doc_remaining)
+            drawn = anchors.shape[1]
+            padded = min(self.num_anchors, -(-drawn // multiple) * multiple)
+            if padded > drawn:
+                anchors = torch.nn.functional.pad(anchors, (0, padded - drawn))
+                keep = torch.nn.functional.pad(keep, (0, padded - drawn), value=False)
+            return anchors, keep
+
+    StableAnchorCount.__name__ = StableAnchorCount.__qualname__ = f"StableAnchorCount{trainer_cls.__name__}"
+    return StableAnchorCount
+
+
+def build_trainer_core(
+    draft: nn.Module, target, spec: DraftSpec, attention_backend: str, anchor_multiple: int | None = None
+) -> nn.Module:
+    """nemo_automodel's trainer core (anchors, block mask, decayed CE, metrics) around ``draft``.
+
+    ``anchor_multiple`` rounds the anchor count per batch up (:func:`with_stable_anchor_count`);
+    flex runs use :func:`anchor_count_multiple`.
+    """
     _, trainer_cls = spec.variant.load_classes()
+    if anchor_multiple:
+        trainer_cls = with_stable_anchor_count(trainer_cls, anchor_multiple)
     return trainer_cls(
         draft_model=draft,
         target_lm_head=target.lm_head,
