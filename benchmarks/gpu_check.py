@@ -220,10 +220,8 @@ def backend_agreement(sizes: Sizes, target: CausalLMTarget, device: torch.device
         module = DFlashDraftModule(target, draft, spec, ModuleSettings(layer_ids=list(spec.layer_ids),
                                                                      attention_backend=backend,
                                                                      stable_shapes=True)).to(device)
-        moved = SpeechBatch(**{**batch.__dict__, "input_ids": batch.input_ids.to(device),
-                               "loss_mask": batch.loss_mask.to(device), "lengths": batch.lengths.to(device)})
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            metrics = module.run_core(module.prepare(moved), rng_key=7)
+            metrics = module.run_core(module.prepare(batch.to(device)), rng_key=7)
         metrics.loss.backward()
         grads = {n: p.grad.float().clone() for n, p in draft.named_parameters() if p.grad is not None}
         results[backend] = (float(metrics.loss), grads)

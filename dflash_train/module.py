@@ -160,17 +160,7 @@ class DFlashDraftModule(L.LightningModule):
     def prepare(self, batch: SpeechBatch) -> StepInputs:
         """Splice audio, tap the target, choose labels and lay out documents."""
         target = self.target
-        spliced = target.splice_batch(
-            batch.input_ids,
-            batch.lengths,
-            batch.loss_mask,
-            batch.audios,
-            batch.audio_lens,
-            batch.audios_per_row,
-            self.spec.mask_token_id,
-            sample_ids=batch.sample_ids,
-            document_ids=batch.document_ids,
-        )
+        spliced = target.splice_batch(batch, self.spec.mask_token_id)
         packed = spliced.document_ids is not None
         doc_ids = spliced.document_ids if packed else torch.where(spliced.attention_mask, 0, -1)
         layout = document_layout(doc_ids)

@@ -31,10 +31,7 @@ def _module(target, estimator, train_inputs, val_inputs=None, seed=3, rank=0, wo
 
 
 def _splice(target, batch):
-    return target.splice_batch(
-        batch.input_ids, batch.lengths, batch.loss_mask, batch.audios, batch.audio_lens, batch.audios_per_row,
-        MASK_ID, batch.sample_ids, batch.document_ids,
-    )
+    return target.splice_batch(batch, MASK_ID)
 
 
 def _train_batches(module, n):
@@ -59,6 +56,26 @@ def test_padded_batches_never_exceed_the_token_budget_after_splicing(tiny_target
     # Lengths here are ~90-130 positions: bucketing fits 3-4 rows; without it every batch must leave room
     # for a max_tokens (140) sample, so 420 // 140 = 3 rows.
     assert max(rows) >= 3 and (bucketing or set(rows) == {3})
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_loader_batches_carry_their_splice_placements_and_splice_alike_without_them(
+        tiny_target, audio_estimator, demo_data, packing):
+    """The collator computes row lengths and placeholder positions on the CPU, so the step reads
+    none back from the device; they must be what the tensors say and splice to the same batch."""
+    from dataclasses import replace
+
+    module = _module(tiny_target, audio_estimator, [_cuts(demo_data[0])], batch_tokens=420, max_tokens=140,
+                     packing=packing)
+    for batch in _train_batches(module, 3):
+        assert batch.row_lengths == batch.lengths.tolist()
+        tag = tiny_target.audio_locator_tag_id
+        expected = [[p for p in range(n) if batch.input_ids[i, p] == tag] for i, n in enumerate(batch.row_lengths)]
+        assert batch.audio_positions == expected and sum(map(len, expected)) == sum(batch.audios_per_row) > 0
+        with_host = _splice(tiny_target, batch)
+        read_back = _splice(tiny_target, replace(batch, row_lengths=None, audio_positions=None))
+        for name in ("inputs_embeds", "input_ids", "loss_mask", "attention_mask", "audio_mask", "lengths"):
+            assert torch.equal(getattr(with_host, name), getattr(read_back, name)), name
 
 
 def test_estimated_lengths_equal_spliced_lengths(tiny_target, audio_estimator, demo_data):

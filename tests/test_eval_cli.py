@@ -267,8 +267,7 @@ def test_supervised_positions_match_the_real_splice(tiny_target, demo_data, audi
     prepare = Preparer(fmt, audio_estimator, Filters())
     examples = [prepare(source.convert(r)) for r in list(source.records)[:2]]
     batch = collate_padded(examples, tiny_target.pad_id, "x")
-    spliced = tiny_target.splice_batch(batch.input_ids, batch.lengths, batch.loss_mask, batch.audios,
-                                       batch.audio_lens, batch.audios_per_row, 320)
+    spliced = tiny_target.splice_batch(batch, 320)
     for row, example in enumerate(examples):
         expected = spliced.loss_mask[row].nonzero().flatten().numpy()
         assert np.array_equal(exposure.supervised_positions(example, fmt.audio_locator_tag_id), expected)

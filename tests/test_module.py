@@ -156,8 +156,7 @@ def test_target_argmax_labels_equal_full_logits_argmax(tiny_target, speech_batch
     from dflash_train.labels import target_argmax_labels
 
     batch = chatml_speech_batch(tiny_target, speech_batch, TEXTS)
-    spliced = tiny_target.splice_batch(batch.input_ids, batch.lengths, batch.loss_mask, batch.audios,
-                                       batch.audio_lens, batch.audios_per_row, 320)
+    spliced = tiny_target.splice_batch(batch, 320)
     out = tiny_target.forward_taps(spliced.inputs_embeds, spliced.attention_mask, [1], return_last_hidden=True)
     labels = target_argmax_labels(spliced.input_ids, spliced.loss_mask, out.last_hidden, tiny_target.lm_head,
                                   chunk_rows=7)

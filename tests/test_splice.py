@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import pad_rows
+from dflash_train.data.batch import SpeechBatch, audio_placements
 from dflash_train.target import PlaceholderMismatchError, splice_audio_frames
 
 MASK_ID = 330
@@ -24,6 +25,11 @@ def _batch(target, rows):
     return pad_rows(rows, target.pad_id)
 
 
+def _speech(ids, lengths, loss, audios, audio_lens):
+    """A one-audio-per-row SpeechBatch without host placements: the target reads them itself."""
+    return SpeechBatch(ids, loss, lengths, audios, audio_lens, [1] * len(ids), [f"row{i}" for i in range(len(ids))])
+
+
 def test_real_audio_expands_to_perception_frames_and_stays_aligned(tiny_target, speech_batch):
     audios, audio_lens = speech_batch
     rows = [
@@ -32,7 +38,7 @@ def test_real_audio_expands_to_perception_frames_and_stays_aligned(tiny_target, 
         _encode_prompt(tiny_target, "", " a small speech model"),
     ]
     ids, loss, lengths = _batch(tiny_target, rows)
-    out = tiny_target.splice_batch(ids, lengths, loss, audios, audio_lens, [1, 1, 1], MASK_ID)
+    out = tiny_target.splice_batch(_speech(ids, lengths, loss, audios, audio_lens), MASK_ID)
 
     with torch.no_grad():
         frames, frame_lens = tiny_target.salm.perception(input_signal=audios, input_signal_length=audio_lens)
@@ -57,7 +63,7 @@ def test_padding_never_enters_a_draft_context(tiny_target, speech_batch):
     audios, audio_lens = speech_batch
     rows = [_encode_prompt(tiny_target, "a ", " b" * n) for n in (2, 9, 4)]
     ids, loss, lengths = _batch(tiny_target, rows)
-    out = tiny_target.splice_batch(ids, lengths, loss, audios, audio_lens, [1, 1, 1], MASK_ID)
+    out = tiny_target.splice_batch(_speech(ids, lengths, loss, audios, audio_lens), MASK_ID)
     width = out.input_ids.shape[1]
     for i in range(len(rows)):
         n = int(out.lengths[i])
@@ -74,7 +80,7 @@ def test_matches_nemo_splice_up_to_padding_side(tiny_target, speech_batch):
     audios, audio_lens = speech_batch
     rows = [_encode_prompt(tiny_target, "x ", " hello"), _encode_prompt(tiny_target, "yy ", " world and more")]
     ids, loss, lengths = _batch(tiny_target, rows)
-    ours = tiny_target.splice_batch(ids, lengths, loss, audios[:2], audio_lens[:2], [1, 1], MASK_ID)
+    ours = tiny_target.splice_batch(_speech(ids, lengths, loss, audios[:2], audio_lens[:2]), MASK_ID)
     audio_embs = tiny_target.encode_audio(audios[:2], audio_lens[:2])
     for i in range(2):
         row = ids[i : i + 1, : int(lengths[i])]  # NeMo expects left padding; compare unpadded rows
@@ -96,12 +102,12 @@ def test_placeholder_count_mismatch_names_the_sample():
     with pytest.raises(PlaceholderMismatchError, match="sample 'cut-42' has 2 audio placeholder"):
         splice_audio_frames(
             input_ids=ids,
-            lengths=torch.tensor([4]),
+            row_lengths=[4],
+            audio_positions=audio_placements(ids, torch.tensor([4]), 7)[1],
             loss_mask=torch.ones(1, 4, dtype=torch.bool),
             text_embeds=torch.zeros(1, 4, 8),
             audio_embeds=[torch.ones(3, 8)],
             audios_per_row=[1],
-            placeholder_id=7,
             mask_token_id=99,
             pad_id=0,
             sample_ids=["cut-42"],
@@ -112,12 +118,12 @@ def test_two_audios_in_one_row_are_spliced_in_order():
     ids = torch.tensor([[5, 7, 6, 7, 9, 0]])
     out = splice_audio_frames(
         input_ids=ids,
-        lengths=torch.tensor([5]),
+        row_lengths=[5],
+        audio_positions=audio_placements(ids, torch.tensor([5]), 7)[1],
         loss_mask=torch.tensor([[0, 0, 0, 0, 1, 0]], dtype=torch.bool),
         text_embeds=torch.zeros(1, 6, 2),
         audio_embeds=[torch.full((2, 2), 1.0), torch.full((3, 2), 2.0)],
         audios_per_row=[2],
-        placeholder_id=7,
         mask_token_id=99,
         pad_id=0,
     )
@@ -131,12 +137,12 @@ def test_packed_document_ids_follow_their_placeholders():
     docs = torch.tensor([[0, 0, 0, 1, 1, 1]])
     out = splice_audio_frames(
         input_ids=ids,
-        lengths=torch.tensor([6]),
+        row_lengths=[6],
+        audio_positions=audio_placements(ids, torch.tensor([6]), 7)[1],
         loss_mask=torch.zeros(1, 6, dtype=torch.bool),
         text_embeds=torch.zeros(1, 6, 2),
         audio_embeds=[torch.ones(2, 2), torch.ones(3, 2)],
         audios_per_row=[2],
-        placeholder_id=7,
         mask_token_id=99,
         pad_id=0,
         document_ids=docs,

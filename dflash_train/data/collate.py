@@ -82,16 +82,21 @@ def collate_packed(examples: Sequence[Example], dataset_name: str) -> SpeechBatc
 class SpeechDataset(torch.utils.data.Dataset):
     """Map-style dataset for lhotse samplers: the sampler yields a batch of examples, this collates it.
 
-    Runs in DataLoader workers, so audio decoding happens off the training process.
+    Runs in DataLoader workers, so audio decoding and the splice indices happen off the
+    training process.
     """
 
-    def __init__(self, pad_id: int, packed: bool, dataset_name: str):
+    def __init__(self, pad_id: int, placeholder_id: int, packed: bool, dataset_name: str):
         self.pad_id = pad_id
+        self.placeholder_id = placeholder_id
         self.packed = packed
         self.dataset_name = dataset_name
 
     def __getitem__(self, examples) -> SpeechBatch:
+        """The collated batch, with its audio placements read here on the CPU (see ``SpeechBatch``)."""
         examples = list(examples)
         if self.packed:
-            return collate_packed(examples, self.dataset_name)
-        return collate_padded(examples, self.pad_id, self.dataset_name)
+            batch = collate_packed(examples, self.dataset_name)
+        else:
+            batch = collate_padded(examples, self.pad_id, self.dataset_name)
+        return batch.with_placements(self.placeholder_id)

@@ -178,7 +178,7 @@ class SpeechDataModule(L.LightningDataModule):
         sampler = build_sampler(examples, ds, shuffle, seed, rank, world_size)
         pin = torch.cuda.is_available() if ds.pin_memory is None else ds.pin_memory
         return DataLoader(
-            SpeechDataset(self.pad_id, ds.packing, name),
+            SpeechDataset(self.pad_id, self.prompt_format.audio_locator_tag_id, ds.packing, name),
             sampler=_AfterFirst(sampler, skip) if skip else sampler,
             batch_size=None,
             num_workers=ds.num_workers,

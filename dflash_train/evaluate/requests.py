@@ -119,18 +119,9 @@ def read_requests(
 @torch.no_grad()
 def prompt_embeddings(target: SALMTarget, prompt: Example) -> torch.Tensor:
     """The prompt's LLM inputs ``[1, S, H]``: audio loaded, encoded and spliced as in training."""
-    batch = collate_padded([prompt], target.pad_id, "eval")
-    device = target.embed_tokens.weight.device
-    spliced = target.splice_batch(
-        batch.input_ids.to(device),
-        batch.lengths,
-        batch.loss_mask.to(device),
-        batch.audios.to(device),
-        batch.audio_lens.to(device),
-        batch.audios_per_row,
-        target.pad_id,  # the id written at audio frames; only the embeddings are used here
-        sample_ids=batch.sample_ids,
-    )
+    batch = collate_padded([prompt], target.pad_id, "eval").with_placements(target.audio_locator_tag_id)
+    # the id written at audio frames is irrelevant here: only the embeddings are used
+    spliced = target.splice_batch(batch.to(target.embed_tokens.weight.device), target.pad_id)
     return spliced.inputs_embeds.to(target.embed_tokens.weight.dtype)
 
 

@@ -8,6 +8,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 from torch import nn
 
+from dflash_train.data.batch import SpeechBatch
 from dflash_train.target.splice import SplicedBatch
 
 
@@ -32,18 +33,7 @@ class FrozenTarget(Protocol):
     @property
     def lm_head(self) -> nn.Module: ...
 
-    def splice_batch(
-        self,
-        input_ids: torch.Tensor,
-        lengths: torch.Tensor,
-        loss_mask: torch.Tensor,
-        audios: torch.Tensor,
-        audio_lens: torch.Tensor,
-        audios_per_row: Sequence[int],
-        mask_token_id: int,
-        sample_ids: Sequence[str] | None = None,
-        document_ids: torch.Tensor | None = None,
-    ) -> SplicedBatch: ...
+    def splice_batch(self, batch: SpeechBatch, mask_token_id: int) -> SplicedBatch: ...
 
     def forward_taps(
         self,

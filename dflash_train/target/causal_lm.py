@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from dflash_train.target.llm import FrozenLLM
+from dflash_train.data.batch import SpeechBatch
 from dflash_train.target.splice import SplicedBatch
 
 
@@ -32,29 +33,19 @@ class CausalLMTarget(FrozenLLM):
         return self.llm
 
     @torch.no_grad()
-    def splice_batch(
-        self,
-        input_ids: torch.Tensor,
-        lengths: torch.Tensor,
-        loss_mask: torch.Tensor,
-        audios: torch.Tensor,
-        audio_lens: torch.Tensor,
-        audios_per_row: Sequence[int],
-        mask_token_id: int,
-        sample_ids: Sequence[str] | None = None,
-        document_ids: torch.Tensor | None = None,
-    ) -> SplicedBatch:
+    def splice_batch(self, batch: SpeechBatch, mask_token_id: int) -> SplicedBatch:
         """Embed the text; a batch with audio is an error (this target has no audio encoder)."""
-        if sum(audios_per_row):
-            raise ValueError(f"CausalLMTarget takes text batches only; got {sum(audios_per_row)} audios")
+        if sum(batch.audios_per_row):
+            raise ValueError(f"CausalLMTarget takes text batches only; got {sum(batch.audios_per_row)} audios")
+        input_ids = batch.input_ids
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        attention_mask = positions[None, :] < lengths.to(input_ids.device)[:, None]
+        attention_mask = positions[None, :] < batch.lengths.to(input_ids.device)[:, None]
         return SplicedBatch(
             inputs_embeds=self.embed_tokens(input_ids),
             input_ids=input_ids,
-            loss_mask=loss_mask & attention_mask,
+            loss_mask=batch.loss_mask & attention_mask,
             attention_mask=attention_mask,
             audio_mask=torch.zeros_like(attention_mask),
-            lengths=lengths,
-            document_ids=document_ids,
+            lengths=batch.lengths,
+            document_ids=batch.document_ids,
         )

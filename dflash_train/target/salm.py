@@ -14,6 +14,7 @@ from dflash_train.config.schema import ModelConfig
 from dflash_train.config.validate import TargetDims
 from dflash_train.errors import ConfigError
 from dflash_train.target.llm import FrozenLLM
+from dflash_train.data.batch import SpeechBatch
 from dflash_train.target.splice import SplicedBatch, splice_audio_frames
 
 log = logging.getLogger(__name__)
@@ -103,33 +104,24 @@ class SALMTarget(FrozenLLM):
         return [f.to(self.perception_dtype) for f in frames]
 
     @torch.no_grad()
-    def splice_batch(
-        self,
-        input_ids: torch.Tensor,
-        lengths: torch.Tensor,
-        loss_mask: torch.Tensor,
-        audios: torch.Tensor,
-        audio_lens: torch.Tensor,
-        audios_per_row: Sequence[int],
-        mask_token_id: int,
-        sample_ids: Sequence[str] | None = None,
-        document_ids: torch.Tensor | None = None,
-    ) -> SplicedBatch:
+    def splice_batch(self, batch: SpeechBatch, mask_token_id: int) -> SplicedBatch:
         """Embed text, run perception on the audio and splice its frames at the placeholders."""
-        audio_embeds = self.encode_audio(audios, audio_lens) if len(audios_per_row) and sum(audios_per_row) else []
-        safe_ids = torch.where(input_ids == self.audio_locator_tag_id, self.pad_id, input_ids)
+        has_audio = len(batch.audios_per_row) and sum(batch.audios_per_row)
+        audio_embeds = self.encode_audio(batch.audios, batch.audio_lens) if has_audio else []
+        row_lengths, audio_positions = batch.placements(self.audio_locator_tag_id)
+        safe_ids = torch.where(batch.input_ids == self.audio_locator_tag_id, self.pad_id, batch.input_ids)
         return splice_audio_frames(
-            input_ids=input_ids,
-            lengths=lengths,
-            loss_mask=loss_mask,
+            input_ids=batch.input_ids,
+            row_lengths=row_lengths,
+            audio_positions=audio_positions,
+            loss_mask=batch.loss_mask,
             text_embeds=self.embed_tokens(safe_ids),
             audio_embeds=audio_embeds,
-            audios_per_row=audios_per_row,
-            placeholder_id=self.audio_locator_tag_id,
+            audios_per_row=batch.audios_per_row,
             mask_token_id=mask_token_id,
             pad_id=self.pad_id,
-            sample_ids=sample_ids,
-            document_ids=document_ids,
+            sample_ids=batch.sample_ids,
+            document_ids=batch.document_ids,
         )
 
 

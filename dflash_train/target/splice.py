@@ -33,12 +33,12 @@ class PlaceholderMismatchError(ValueError):
 
 def splice_audio_frames(
     input_ids: torch.Tensor,
-    lengths: torch.Tensor,
+    row_lengths: Sequence[int],
+    audio_positions: Sequence[Sequence[int]],
     loss_mask: torch.Tensor,
     text_embeds: torch.Tensor,
     audio_embeds: Sequence[torch.Tensor],
     audios_per_row: Sequence[int],
-    placeholder_id: int,
     mask_token_id: int,
     pad_id: int,
     sample_ids: Sequence[str] | None = None,
@@ -46,6 +46,8 @@ def splice_audio_frames(
 ) -> SplicedBatch:
     """Replace each placeholder of row *i* by the next of its ``audios_per_row[i]`` audio embeddings.
 
+    ``row_lengths`` and ``audio_positions`` (each row's placeholder positions) are host lists,
+    so splicing reads nothing back from the device (``SpeechBatch.placements``).
     ``document_ids`` (packed rows, ``-1`` on padding) are carried through: audio frames take
     the document id of the placeholder they replace.
     """
@@ -56,17 +58,11 @@ def splice_audio_frames(
         )
     rows = []
     next_audio = 0
-    # Two host reads per batch (not per row): row lengths and placeholder positions.
-    row_lengths = lengths.tolist()
-    placeholders: list[list[int]] = [[] for _ in range(batch)]
-    for row, pos in (input_ids == placeholder_id).nonzero().tolist():
-        if pos < row_lengths[row]:
-            placeholders[row].append(pos)
     for i in range(batch):
-        n = int(row_lengths[i])
+        n = row_lengths[i]
         ids, mask, embs = input_ids[i, :n], loss_mask[i, :n].bool(), text_embeds[i, :n]
         docs = document_ids[i, :n] if document_ids is not None else torch.zeros_like(ids)
-        where = placeholders[i]
+        where = list(audio_positions[i])
         if len(where) != audios_per_row[i]:
             name = sample_ids[i] if sample_ids is not None else f"row {i}"
             raise PlaceholderMismatchError(
