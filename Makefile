@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt scripts/setup.sh
 	bash scripts/setup.sh
 
 demo: $(STAMP)
-	$(PY) -m dflash_train.demo
+	$(PY) -m dflash_train.cli.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -30,5 +30,5 @@ $(VLLM_STAMP): pyproject.toml tests/vllm_serving/constraints.txt scripts/setup_v
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	@[ -f runs/demo/export/config.json ] && [ -f runs/demo/target/config.json ] || $(MAKE) demo
 	@grep -q '"DFlashDraftModel"' runs/demo/export/config.json || [ -f runs/demo-dflash/export/config.json ] \
-		|| $(PY) -m dflash_train.demo dflash=dflash exp_manager.explicit_log_dir=runs/demo-dflash
+		|| $(PY) -m dflash_train.cli.demo dflash=dflash exp_manager.explicit_log_dir=runs/demo-dflash
 	DFLASH_VLLM_TESTS=1 DFLASH_VLLM_REQUIRE_TRAINED=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_serving

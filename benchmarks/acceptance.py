@@ -61,7 +61,7 @@ def _first_cuts(source: Path, dest: Path, count: int) -> Path:
 
 def offline_labels(target: Path, cuts: Path, out: Path, max_new_tokens: int) -> Path:
     """``dflash-labels --target <reference target> --cuts <cuts> --out <out>``."""
-    from dflash_train.labels_cli import main as labels_main
+    from dflash_train.cli.labels import main as labels_main
 
     rc = labels_main(["--target", str(target), "--cuts", str(cuts), "--out", str(out),
                       "--max-new-tokens", str(max_new_tokens)])
@@ -73,12 +73,11 @@ def offline_labels(target: Path, cuts: Path, out: Path, max_new_tokens: int) -> 
 def train_variant(target: Path, name: str, variant: str, label_source: str, train: Path, val: Path, run_dir: Path,
                   steps: int, seed: int) -> dict:
     """Train one draft exactly as ``dflash-train --config-name=demo <overrides>`` would."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
-    from dflash_train.cli import CONFIG_DIR
     from dflash_train.config import validate_config
-    from dflash_train.train import train as run_training
+    from dflash_train.config.compose import compose_config
+    from dflash_train.training.recipe import train as run_training
 
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -96,8 +95,7 @@ def train_variant(target: Path, name: str, variant: str, label_source: str, trai
         "trainer.limit_val_batches=4",
         f"exp_manager.explicit_log_dir={run_dir}",
     ]
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name="demo", overrides=overrides)
+    cfg = compose_config("demo", overrides)
     with open_dict(cfg):  # the selector size is pinned here so the benchmark does not follow demo.yaml edits
         if variant == "dflash":
             cfg.dflash.pop("selector_rank", None)  # DFlash has no selector

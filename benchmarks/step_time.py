@@ -59,7 +59,7 @@ def _setup(work: Path, num_anchors: int, repeat: int = 4):
 
 def bare_loop(target, batch, spec, make_draft, steps: int) -> list[float]:
     """The same work as one training step, with no Lightning and no module."""
-    from dflash_train.module import DFlashDraftModule, ModuleSettings
+    from dflash_train.training.module import DFlashDraftModule, ModuleSettings
 
     module = DFlashDraftModule(target, make_draft(), spec, ModuleSettings(layer_ids=[1, 3]))
     optimizer = torch.optim.AdamW(module.trainable_parameters(), lr=6e-4)
@@ -80,7 +80,7 @@ def lightning_loop(target, batch, spec, make_draft, steps: int, work: Path) -> l
     import lightning as L
     from listdata import ListDataModule
 
-    from dflash_train.module import DFlashDraftModule, ModuleSettings
+    from dflash_train.training.module import DFlashDraftModule, ModuleSettings
 
     class StepTimer(L.Callback):
         def __init__(self):

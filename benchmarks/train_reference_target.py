@@ -69,7 +69,7 @@ def target_spec(seed: int):
 
 def corpus(count: int = COUNT, test_count: int = TEST_COUNT, jobs: int = 2) -> tuple[Path, Path]:
     """The synthesized corpus (built when missing): train cuts and held-out test cuts."""
-    from dflash_train.data.demo_data import varied_sentences, write_demo_data
+    from dflash_train.testing.demo_data import varied_sentences, write_demo_data
 
     train, test = CORPUS / "train_cuts.jsonl.gz", CORPUS / "val_cuts.jsonl.gz"
     if not test.exists():
@@ -80,7 +80,7 @@ def corpus(count: int = COUNT, test_count: int = TEST_COUNT, jobs: int = 2) -> t
 def held_out_cuts(out: Path, n: int = PROBE_COUNT) -> Path:
     """Re-synthesize the first ``n`` held-out test utterances exactly as the corpus has them (ids, voice, rate,
     context) without building the corpus; returns their cuts file."""
-    from dflash_train.data.demo_data import VOICES, _cut_record, _rate, _speak, _write_jsonl_gz, varied_sentences
+    from dflash_train.testing.demo_data import VOICES, _cut_record, _rate, _speak, _write_jsonl_gz, varied_sentences
 
     sentences = varied_sentences(COUNT)
     stride = COUNT // TEST_COUNT
@@ -246,7 +246,7 @@ def train_target(steps: int, seed: int, batch_size: int, lr: float, encoder_stat
     from nemo.collections.speechlm2.data import DataModule, SALMDataset
     from nemo.collections.speechlm2.models import SALM
 
-    from dflash_train.data.demo_data import CONTEXTS
+    from dflash_train.testing.demo_data import CONTEXTS
     from dflash_train.testing.tiny_salm import build_tiny_salm
 
     train, test = corpus()
@@ -389,7 +389,7 @@ Regenerate (deterministic given the seed; corpus and logs go to `benchmarks/.wor
 - `config.json` keeps `pretrained_asr: null`, `pretrained_weights: false`: every weight is in `model.safetensors`.
 
 ## Training data
-{COUNT} espeak-ng utterances (`dflash_train.data.demo_data.varied_sentences`: 20 subjects x 20
+{COUNT} espeak-ng utterances (`dflash_train.testing.demo_data.varied_sentences`: 20 subjects x 20
 predicates x 10 optional time endings, six voices `en-us`, `en-gb`, `en-gb-scotland`, `en-029`,
 `en-us+f3`, `en-gb-x-rp+m3`, speaking rates 135-180 wpm), 16 kHz. Every {COUNT // TEST_COUNT}th
 utterance ({TEST_COUNT}) is the held-out test split and is never trained on (by either stage): its

@@ -79,14 +79,10 @@ def speech_batch(speech_files):
 
 
 def compose(config_name: str = "dflash", overrides: list[str] | None = None):
-    """Compose a recipe from conf/ exactly as the CLI does (Hydra compose API)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    """Compose a shipped recipe exactly as the CLI does (the package's one composition helper)."""
+    from dflash_train.config.compose import compose_config
 
-    from dflash_train.cli import CONFIG_DIR
-
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=overrides or [])
+    return compose_config(config_name, overrides or [])
 
 
 def tiny_run_overrides(salm_dir) -> list[str]:
@@ -140,7 +136,7 @@ def chatml_speech_batch(target, speech_batch, texts: list[str], repeat: int = 1)
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> tuple[Path, Path]:
     """A small synthesized demo dataset: ``(train_cuts, val_cuts)`` lhotse manifests of real espeak-ng speech."""
-    from dflash_train.data.demo_data import write_demo_data
+    from dflash_train.testing.demo_data import write_demo_data
 
     return write_demo_data(tmp_path_factory.mktemp("demo_data"), count=24, val_count=4, jobs=2)
 

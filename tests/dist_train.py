@@ -20,7 +20,7 @@ from conftest import chatml_speech_batch, compose, tiny_run_overrides  # noqa: E
 from listdata import ListDataModule  # noqa: E402
 
 from dflash_train.config import validate_config  # noqa: E402
-from dflash_train.train import train  # noqa: E402
+from dflash_train.training.recipe import train  # noqa: E402
 
 TEXTS = [
     "hello world",

@@ -4,14 +4,14 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import UTTERANCES, chatml_speech_batch
+from listdata import ListDataModule
+from safetensors.torch import load_file
+from test_module import _recipe
+
 from dflash_train import atomic
 from dflash_train.atomic import AtomicCheckpointIO, atomic_directory
-from dflash_train.train import train
-from listdata import ListDataModule
-from test_module import _recipe
+from dflash_train.training.recipe import train
 
 TEXTS = list(UTTERANCES.values())
 
@@ -61,8 +61,8 @@ def test_checkpoint_io_writes_beside_the_checkpoint_and_keeps_the_old_one_on_fai
 
 def test_a_failed_export_leaves_the_previous_export_whole(tiny_salm_dir, tiny_target, speech_batch, tmp_path,
                                                           monkeypatch):
-    from dflash_train import train as recipe
     from dflash_train.draft.export import DraftExportError
+    from dflash_train.training import recipe
 
     batch = chatml_speech_batch(tiny_target, speech_batch, TEXTS, repeat=2)
 

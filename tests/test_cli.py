@@ -106,3 +106,21 @@ def test_user_config_dir_inherits_the_recipe(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "pretrained_name: /ckpt/my_salm" in proc.stdout and "num_anchors: 512" in proc.stdout
     assert "mandatory" not in proc.stderr
+
+
+def test_the_demo_deletes_only_a_run_directory_it_made(tmp_path):
+    from dflash_train.cli.demo import DEMO_MARKER, fresh_run_directory
+    from dflash_train.errors import ConfigError
+
+    foreign = tmp_path / "real_run"
+    (foreign / "checkpoints").mkdir(parents=True)
+    (foreign / "checkpoints" / "last.ckpt").write_text("weeks of training")
+    with pytest.raises(ConfigError, match="explicit_log_dir=.*real_run exists and was not made by the demo"):
+        fresh_run_directory(foreign)
+    assert (foreign / "checkpoints" / "last.ckpt").read_text() == "weeks of training"
+
+    demo_run = tmp_path / "demo"
+    fresh_run_directory(demo_run)
+    (demo_run / "old_export").mkdir()
+    fresh_run_directory(demo_run)
+    assert sorted(p.name for p in demo_run.iterdir()) == [DEMO_MARKER]

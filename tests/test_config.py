@@ -3,12 +3,13 @@
 from pathlib import Path
 
 import pytest
+from conftest import compose
 
-from conftest import REPO_ROOT, compose
 from dflash_train.config import DFlash2Config, missing_keys, validate_config
+from dflash_train.constants import CONFIG_DIR
 from dflash_train.errors import ConfigError
 
-CONF = REPO_ROOT / "conf"
+CONF = CONFIG_DIR
 PRIMARY_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml"))
 GROUP_OPTIONS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))
 VALID = ["model.pretrained_name=/ckpt/salm", "data.train_ds.input_cfg=[]"]
@@ -131,3 +132,31 @@ def test_unknown_key_inside_an_input_entry_is_named_with_its_path():
     overrides = ["model.pretrained_name=/ckpt/salm", "data.train_ds.input_cfg=[{type: lhotse_as_conversation, cut_path: x}]"]
     with pytest.raises(ConfigError, match=r"unknown config key 'data.train_ds.input_cfg\[0\].cut_path'; did you mean 'cuts_path'\?"):
         validate_config(compose("dflash", overrides))
+
+
+def test_a_wheel_install_finds_the_shipped_recipe(tmp_path):
+    """`pip install dflash-train` (not editable) must still compose `dflash` and `demo`."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    import shutil
+
+    source, wheels, site = tmp_path / "source", tmp_path / "wheels", tmp_path / "site"
+    # build from the sources alone: a checkout's *.egg-info would list the YAML files by itself
+    shutil.copytree(REPO_ROOT / "dflash_train", source / "dflash_train",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, source / name)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", str(source), "-w", str(wheels)],
+                   check=True, cwd=tmp_path)
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), *map(str, wheels.glob("*.whl"))],
+                   check=True, cwd=tmp_path)
+    probe = ("import dflash_train; from dflash_train.config.compose import compose_config; "
+             "print(dflash_train.__file__); print(compose_config('dflash').dflash.variant, "
+             "compose_config('demo').name)")
+    out = subprocess.run([sys.executable, "-c", probe], check=True, cwd=tmp_path, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(tmp_path)}).stdout.split()
+    assert out == [str(site / "dflash_train" / "__init__.py"), "dflash2", "demo"]

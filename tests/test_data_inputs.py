@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from conftest import UTTERANCES
 from lhotse import CutSet, Recording, SupervisionSegment
 
-from conftest import UTTERANCES
 from dflash_train.config.schema import DataConfig, DatasetConfig, InputConfig
 from dflash_train.data.conversation import DataError
 from dflash_train.data.module import SpeechDataModule

@@ -8,16 +8,16 @@ import lightning as L
 import pytest
 import soundfile as sf
 import torch
+from conftest import REPO_ROOT, compose
 from lhotse import CutSet
 from omegaconf import OmegaConf
 
-from conftest import REPO_ROOT, compose
 from dflash_train.config import validate_config
 from dflash_train.config.schema import DataConfig, DatasetConfig, InputConfig
-from dflash_train.data.demo_data import demo_sentences, write_demo_data
 from dflash_train.data.module import SpeechDataModule
 from dflash_train.data.validate import check_data_rules, validate_data_config
 from dflash_train.errors import ConfigError
+from dflash_train.testing.demo_data import demo_sentences, write_demo_data
 
 TAG = "<|audio|>"
 
@@ -151,7 +151,7 @@ def _digest(folder):
 def test_demo_data_script_is_deterministic_real_16khz_speech(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash_train.data.demo_data", "--out", str(out), "--count", "5", "--val-count", "1",
+        [sys.executable, "-m", "dflash_train.testing.demo_data", "--out", str(out), "--count", "5", "--val-count", "1",
          "--jobs", "1"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
     )

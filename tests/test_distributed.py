@@ -6,9 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
-
 from conftest import run_launcher
+from safetensors.torch import load_file
 
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent

@@ -8,11 +8,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import compose, tiny_run_overrides
 from lhotse import CutSet
 from lhotse.utils import fastcopy
 
-from conftest import compose, tiny_run_overrides
-from dflash_train import eval_cli, exposure, labels_cli
+from dflash_train.cli import eval as eval_cli
+from dflash_train.cli import exposure
+from dflash_train.cli import labels as labels_cli
 from dflash_train.config.schema import InputConfig
 from dflash_train.data.collate import collate_padded
 from dflash_train.data.examples import Filters, Preparer

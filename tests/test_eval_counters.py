@@ -110,7 +110,7 @@ def test_wer_normalizes_with_whisper_english_and_skips_empty_references():
 def test_eval_command_fails_on_a_greedy_mismatch_and_flags_failed_samples(monkeypatch, capsys, tmp_path):
     """Exit status contract of dflash-eval: 1 for a mismatch, 3 for failed samples, 0 otherwise."""
     import dflash_train.evaluate.run as run
-    from dflash_train import eval_cli
+    from dflash_train.cli import eval as eval_cli
 
     reports = {
         "clean": EvalReport(SETTINGS, 1, [_sample(0, [7])], []),

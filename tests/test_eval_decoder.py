@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import compose, tiny_run_overrides
+
 from dflash_train.config.schema import InputConfig
 from dflash_train.data.collate import collate_padded
 from dflash_train.data.prompt import build_prompt_format
@@ -186,9 +186,10 @@ class ContextRecomputingProposer(DraftProposer):
 @pytest.fixture(scope="module")
 def trained_draft(tiny_salm_dir, tiny_target, requests, greedy, tmp_path_factory):
     """A DFlash draft trained on the target's own greedy replies to these prompts (offline labels in memory)."""
-    from dflash_train.config import validate_config
-    from dflash_train.train import train
     from listdata import ListDataModule
+
+    from dflash_train.config import validate_config
+    from dflash_train.training.recipe import train
 
     examples = []
     for (request, _), reference in zip(requests, greedy):

@@ -7,15 +7,9 @@ import shutil
 
 import pytest
 
-from dflash_train.export_target import (
-    AUDIO_LOCATOR_TAG,
-    EMBEDDED_ASR,
-    TargetExportError,
-    export_target,
-    main,
-    serve_command,
-)
-from dflash_train.vllm_plugin import SALM_ARCHITECTURE
+from dflash_train.cli.export_target import main
+from dflash_train.constants import AUDIO_LOCATOR_TAG, SALM_ARCHITECTURE
+from dflash_train.target.vllm_export import EMBEDDED_ASR, TargetExportError, export_target, serve_command
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,13 @@ import json
 
 import pytest
 import torch
+from conftest import UTTERANCES, chatml_speech_batch, compose, tiny_run_overrides
+from listdata import ListDataModule
 from safetensors.torch import load_file
 
-from conftest import UTTERANCES, chatml_speech_batch, compose, tiny_run_overrides
 from dflash_train.config import validate_config
 from dflash_train.errors import ConfigError
-from dflash_train.train import train
-from listdata import ListDataModule
+from dflash_train.training.recipe import train
 
 TEXTS = list(UTTERANCES.values())
 
@@ -153,7 +153,7 @@ def test_steps_without_anchor_are_skipped_but_counted(tiny_salm_dir, tiny_target
 
 
 def test_target_argmax_labels_equal_full_logits_argmax(tiny_target, speech_batch):
-    from dflash_train.labels import target_argmax_labels
+    from dflash_train.training.target_labels import target_argmax_labels
 
     batch = chatml_speech_batch(tiny_target, speech_batch, TEXTS)
     spliced = tiny_target.splice_batch(batch, 320)
@@ -337,7 +337,7 @@ def test_gradient_checkpointing_recomputes_the_draft_layers_and_trains_the_same(
 def test_padding_the_draft_inputs_to_a_multiple_changes_no_loss_or_gradient(tiny_salm_dir, tiny_target, batches):
     """flex runs pad every batch to a multiple of 128 positions; the padding must be inert."""
     from dflash_train.draft import DraftSpec, build_draft
-    from dflash_train.module import DFlashDraftModule, ModuleSettings, pad_to_multiple
+    from dflash_train.training.module import DFlashDraftModule, ModuleSettings, pad_to_multiple
 
     validated = _recipe(tiny_salm_dir, "unused", variant="dflash2")
     spec = DraftSpec(validated.run.dflash, (1, 3), 320, tiny_target.num_layers)
@@ -365,7 +365,7 @@ def test_rounding_the_anchor_count_up_changes_no_loss_or_gradient(tiny_salm_dir,
     """flex runs round the anchors per batch up to a multiple; the added blocks must be inert."""
     from dflash_train.draft import DraftSpec, build_draft
     from dflash_train.draft.build import anchor_count_multiple
-    from dflash_train.module import DFlashDraftModule, ModuleSettings
+    from dflash_train.training.module import DFlashDraftModule, ModuleSettings
 
     validated = _recipe(tiny_salm_dir, "unused", variant="dflash2")
     spec = DraftSpec(validated.run.dflash, (1, 3), 320, tiny_target.num_layers)

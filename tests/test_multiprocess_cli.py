@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
-
 from conftest import run_launcher
+from safetensors.torch import load_file
 
 BIN = Path(sys.executable).parent
 STEPS = 8
@@ -140,7 +139,7 @@ def test_all_ranks_share_one_hydra_run_directory(straight):
     _, exp_dir, _ = straight
     launches = list((exp_dir / "demo" / "hydra").iterdir())
     assert len(launches) == 1, launches
-    assert sorted(p.name for p in launches[0].glob("*.log")) == ["cli_rank0.log", "cli_rank1.log"]
+    assert sorted(p.name for p in launches[0].glob("*.log")) == ["dflash_train_rank0.log", "dflash_train_rank1.log"]
 
 
 def test_sigterm_saves_a_checkpoint_and_the_resumed_run_ends_with_the_same_weights(straight, tiny_salm_dir, cuts, tmp_path):
@@ -183,7 +182,7 @@ def test_sigterm_saves_a_checkpoint_and_the_resumed_run_ends_with_the_same_weigh
 STAMP_WORKER = """
 import os, sys, time
 time.sleep(2.5 * int(os.environ["RANK"]))  # rank 1 asks later, as a rank on a slow node would
-from dflash_train.launch import launch_stamp
+from dflash_train.training.launch import launch_stamp
 open(os.path.join(sys.argv[1], "stamp" + os.environ["RANK"]), "w").write(launch_stamp())
 """
 

@@ -84,7 +84,7 @@ def test_stored_target_listens_to_the_audio(bench, held_out, tmp_path):
 
 
 def test_acceptance_benchmark_smallest_configuration_runs(bench, tmp_path):
-    from dflash_train.data.demo_data import varied_sentences, write_demo_data
+    from dflash_train.testing.demo_data import varied_sentences, write_demo_data
 
     _, acceptance = bench
     train, test = write_demo_data(tmp_path / "data", 10, 2, jobs=1, sentences=varied_sentences(10))

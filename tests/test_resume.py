@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import UTTERANCES, chatml_speech_batch
 from listdata import ListDataModule
+from safetensors.torch import load_file
 from test_module import _csv_rows, _recipe, _series
 
-from dflash_train.train import train
+from dflash_train.training.recipe import train
 
 TEXTS = list(UTTERANCES.values())
 SCHEDULE = "dflash.lr_scheduler={_target_:torch.optim.lr_scheduler.StepLR,step_size:2,gamma:0.5}"

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import pad_rows
+
 from dflash_train.data.batch import SpeechBatch, audio_placements
 from dflash_train.target import PlaceholderMismatchError, splice_audio_frames
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import compose, tiny_run_overrides
 from safetensors.torch import load_file, save_file
 
-from conftest import compose, tiny_run_overrides
 from dflash_train.config import validate_config
 from dflash_train.errors import ConfigError
 from dflash_train.target import TargetLoadError, load_target_for_run, read_target_dims

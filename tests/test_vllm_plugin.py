@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
+import tomllib
+from conftest import REPO_ROOT
 
 from dflash_train.draft.variants import ARCHITECTURE_ALIASES
 from dflash_train.vllm_plugin.acceptance import (
@@ -27,7 +28,6 @@ from dflash_train.vllm_plugin.acceptance import (
 )
 from dflash_train.vllm_plugin.aliases import alias_draft_architectures
 from dflash_train.vllm_plugin.backbone import AuxHiddenStatesUnsupported, require_aux_hidden_states
-from conftest import REPO_ROOT
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def test_importing_dflash_train_never_imports_vllm():
         "        if name == 'vllm' or name.startswith('vllm.'):\n"
         "            raise ImportError('vllm imported: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import dflash_train, dflash_train.cli, dflash_train.export_target, dflash_train.vllm_plugin\n"
+        "import dflash_train, dflash_train.cli, dflash_train.target.vllm_export, dflash_train.vllm_plugin\n"
         "import dflash_train.vllm_plugin.aliases, dflash_train.vllm_plugin.backbone\n"
         "import dflash_train.vllm_plugin.acceptance, dflash_train.vllm_plugin.compat, dflash_train.vllm_plugin.serving\n"
         "assert not [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]\n"
@@ -148,7 +148,7 @@ def test_register_without_vllm_says_so(monkeypatch):
 def test_pyproject_declares_the_plugin_and_the_target_export_command():
     project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["vllm.general_plugins"] == {"dflash_train": "dflash_train.vllm_plugin:register"}
-    assert project["scripts"]["dflash-export-target"] == "dflash_train.export_target:main"
+    assert project["scripts"]["dflash-export-target"] == "dflash_train.cli.export_target:main"
     assert "vllm" not in " ".join(project["dependencies"]).lower()
 
 
@@ -221,14 +221,15 @@ def test_serving_prompts_match_training_tokens_up_to_the_reply(tiny_salm_dir, de
     from transformers import AutoTokenizer
 
     from dflash_train.config.schema import InputConfig
+    from dflash_train.constants import SAMPLE_RATE
     from dflash_train.data.inputs import open_input
     from dflash_train.data.prompt import build_prompt_format
-    from dflash_train.vllm_plugin.serving import SAMPLING_RATE, validation_requests
+    from dflash_train.vllm_plugin.serving import validation_requests
 
     _, val_cuts = demo_data
     tokenizer = AutoTokenizer.from_pretrained(tiny_salm_dir)
     requests = validation_requests(val_cuts, tokenizer, limit=3)
-    source = open_input(InputConfig(type="lhotse_as_conversation", cuts_path=str(val_cuts)), None, SAMPLING_RATE)
+    source = open_input(InputConfig(type="lhotse_as_conversation", cuts_path=str(val_cuts)), None, SAMPLE_RATE)
     chat = build_prompt_format("qwen", tokenizer, "<|audio|>")
     conversations = [source.convert(record) for record in source.records][:3]
     assert [r.id for r in requests] == [c.id for c in conversations]
@@ -239,4 +240,4 @@ def test_serving_prompts_match_training_tokens_up_to_the_reply(tiny_salm_dir, de
         assert request.prompt.endswith("<|im_start|>assistant\n") and request.prompt.count("<|audio|>") == 1
         (cut,) = conversation.audio_cuts
         assert request.audios[0].dtype == np.float32
-        assert request.audios[0].shape == (round(cut.duration * SAMPLING_RATE),)
+        assert request.audios[0].shape == (round(cut.duration * SAMPLE_RATE),)

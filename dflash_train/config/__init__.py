@@ -1,6 +1,7 @@
 """Typed schema of the Hydra recipe and its validation (unknown keys, types, cross-field rules)."""
 
 from dflash_train.config.schema import (
+    VARIANTS,
     DataConfig,
     DatasetConfig,
     DFlash2Config,
@@ -10,7 +11,6 @@ from dflash_train.config.schema import (
     ParallelismConfig,
     RunConfig,
     TrainerConfig,
-    VARIANTS,
 )
 from dflash_train.config.validate import missing_keys, validate_config
 

@@ -8,7 +8,7 @@ checked there. DFlash2 extends DFlash: the variant registry :data:`VARIANTS` map
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from omegaconf import MISSING
 

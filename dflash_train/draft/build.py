@@ -136,7 +136,8 @@ def warm_start(draft: nn.Module, export_dir: str, spec: DraftSpec) -> None:
 
     from safetensors.torch import load_file
 
-    from dflash_train.draft.export import CONFIG_FILE, WEIGHTS_FILE, DraftExportError, load_strictly
+    from dflash_train.constants import CONFIG_FILE, WEIGHTS_FILE
+    from dflash_train.draft.export import DraftExportError, load_strictly
     from dflash_train.errors import ConfigError
 
     path = Path(export_dir)

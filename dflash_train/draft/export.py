@@ -11,10 +11,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash_train.constants import CONFIG_FILE, WEIGHTS_FILE
 from dflash_train.draft.variants import variant_for_architecture
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 # Keys vLLM must not see: it would use them verbatim or expect other layouts.
 FORBIDDEN_CONFIG_KEYS = ("eagle_aux_hidden_state_layer_ids", "block_size", "auto_map")
 FORBIDDEN_WEIGHT_PREFIXES = ("embed_tokens.", "lm_head.")

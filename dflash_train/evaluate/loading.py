@@ -77,20 +77,10 @@ class TargetSource:
 
 def compose_recipe(config_name: str, config_dir: Optional[str], overrides: Sequence[str]) -> RunConfig:
     """Compose and validate a recipe as ``dflash-train --config-dir --config-name`` does."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-
-    from dflash_train.cli import CONFIG_DIR
     from dflash_train.config import validate_config
+    from dflash_train.config.compose import compose_config
 
-    primary = Path(config_dir).resolve() if config_dir else CONFIG_DIR
-    extra = [f"hydra.searchpath=[file://{CONFIG_DIR}]"] if config_dir else []
-    try:
-        with initialize_config_dir(config_dir=str(primary), version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=[*extra, *overrides])
-    except HydraException as err:
-        raise ConfigError(f"cannot compose recipe '{config_name}': {str(err).splitlines()[0]}") from None
-    return validate_config(cfg).run
+    return validate_config(compose_config(config_name, overrides, config_dir)).run
 
 
 def torch_dtype(name: str, option: str = "--dtype") -> torch.dtype:
@@ -133,7 +123,7 @@ def weights_digest(export_dir: str) -> str:
     """SHA-256 of a draft export's weights file."""
     import hashlib
 
-    from dflash_train.draft.export import WEIGHTS_FILE
+    from dflash_train.constants import WEIGHTS_FILE
 
     digest = hashlib.sha256()
     with open(Path(export_dir) / WEIGHTS_FILE, "rb") as handle:

@@ -9,13 +9,11 @@ measure a target of realistic width from a stock PyTorch image.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 from torch import nn
 
-from dflash_train.target.llm import FrozenLLM
 from dflash_train.data.batch import SpeechBatch
+from dflash_train.target.llm import FrozenLLM
 from dflash_train.target.splice import SplicedBatch
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import logging
 
+from dflash_train.constants import SALM_ARCHITECTURE
+
 log = logging.getLogger(__name__)
 
-SALM_ARCHITECTURE = "DFlashSALMForConditionalGeneration"
 SALM_MODEL_CLASS = "dflash_train.vllm_plugin.salm:DFlashSALMForConditionalGeneration"
 
 

@@ -20,6 +20,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 import vllm
+from nemo.collections.speechlm2.vllm.salm.audio import (
+    NeMoSpeechLMDummyInputsBuilder,
+    NeMoSpeechLMMultiModalProcessor,
+    NeMoSpeechLMProcessingInfo,
+)
+from nemo.collections.speechlm2.vllm.salm.config import _AUDIO_PLACEHOLDER as AUDIO_PLACEHOLDER
+from nemo.collections.speechlm2.vllm.salm.model import NeMoSpeechLMForConditionalGeneration
 from packaging.version import Version
 from transformers import BatchFeature
 from vllm.config import VllmConfig
@@ -29,14 +36,6 @@ from vllm.multimodal.inputs import MultiModalKwargsItems
 from vllm.multimodal.parse import AudioProcessorItems, MultiModalDataItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 from vllm.tokenizers.registry import cached_tokenizer_from_config
-
-from nemo.collections.speechlm2.vllm.salm.audio import (
-    NeMoSpeechLMDummyInputsBuilder,
-    NeMoSpeechLMMultiModalProcessor,
-    NeMoSpeechLMProcessingInfo,
-)
-from nemo.collections.speechlm2.vllm.salm.config import _AUDIO_PLACEHOLDER as AUDIO_PLACEHOLDER
-from nemo.collections.speechlm2.vllm.salm.model import NeMoSpeechLMForConditionalGeneration
 
 from dflash_train.vllm_plugin.backbone import require_aux_hidden_states
 

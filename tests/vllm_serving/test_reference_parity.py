@@ -64,7 +64,7 @@ def test_reference_decoder_produces_vllms_tokens(reference_report, vllm_runs):
 def test_reference_counters_equal_vllms_counters(reference_report, vllm_runs, trained_dflash_export,
                                                      serving_reports):
     from dflash_train.evaluate.run import DRAFT
-    from dflash_train.vllm_plugin.serving import default_num_speculative_tokens
+    from dflash_train.target.vllm_export import draft_speculative_tokens
 
     reference = reference_report.counters(DRAFT)
     served = vllm_runs[1].counters
@@ -73,7 +73,7 @@ def test_reference_counters_equal_vllms_counters(reference_report, vllm_runs, tr
         f"({reference.accepted} accepted / {reference.rounds} rounds, per position {reference.accepted_per_position}); "
         f"vLLM MAL {served.mal:.4f} ({served.accepted} / {served.rounds}, per position {served.accepted_per_position})"
     )
-    k = default_num_speculative_tokens(trained_dflash_export)
+    k = draft_speculative_tokens(trained_dflash_export)
     assert reference.num_speculative_tokens == served.num_speculative_tokens == k
     assert served.rounds > 0 and reference.accepted > 0, "a trained draft must have accepted tokens to compare"
     # Exact: a kernel difference that moves one acceptance (the per-layer K-norm bug cost 2 % of MAL) fails here.

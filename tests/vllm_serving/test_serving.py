@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from dflash_train.target.vllm_export import draft_speculative_tokens
 from dflash_train.vllm_plugin.acceptance import first_mismatches
-from dflash_train.vllm_plugin.serving import default_num_speculative_tokens, serve
+from dflash_train.vllm_plugin.serving import serve
 
 # vLLM 0.32: DFlash2's candidate head runs only in the V2 model runner, which needs Triton (GPU).
 # On CPU the V1 runner is chosen and refuses the draft at engine configuration.
@@ -36,7 +37,7 @@ def test_spec_decode_counters_are_reported_and_consistent(draft, request):
     counters = acceptance.counters
     assert counters.rounds > 0 and acceptance.failures == 0
     assert acceptance.full_rounds, "every draft round proposes K tokens"
-    assert counters.num_speculative_tokens == default_num_speculative_tokens(request.getfixturevalue(EXPORTS[draft]))
+    assert counters.num_speculative_tokens == draft_speculative_tokens(request.getfixturevalue(EXPORTS[draft]))
     assert sum(counters.accepted_per_position) == counters.accepted
     assert counters.accepted_per_position == sorted(counters.accepted_per_position, reverse=True)
     # every round yields at least its bonus token; each request's first token comes from prefill

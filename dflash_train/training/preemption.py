@@ -23,7 +23,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from dflash_train.metrics import all_reduce_sum
+from dflash_train.training.metrics import all_reduce_sum
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""``dflash-export-target``: write a SALM checkpoint as a directory vLLM serves with our plugin.
+"""Write a SALM checkpoint as a directory vLLM serves with our plugin (``dflash-export-target``).
 
 vLLM reads a SALM target through NeMo's ``NeMoSpeechLMConfig`` and our plugin's model class.
 That needs, in one directory:
@@ -22,18 +22,19 @@ command on it again in place (``dflash-export-target DIR DIR``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import sys
 from pathlib import Path
 
-from dflash_train.vllm_plugin import SALM_ARCHITECTURE
+from dflash_train.constants import (
+    AUDIO_LOCATOR_TAG,
+    CONFIG_FILE,
+    LLM_BACKBONE_DIR,
+    SALM_ARCHITECTURE,
+    WEIGHTS_FILE,
+    speculative_tokens,
+)
 
-AUDIO_LOCATOR_TAG = "<|audio|>"  # the only tag NeMo 3.0.0's vLLM plugin serves
-LLM_BACKBONE_DIR = "llm_backbone"
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 EMBEDDED_ASR = "(perception weights in model.safetensors)"
 
 
@@ -116,30 +117,13 @@ def export_target(src: str | Path, out: str | Path) -> Path:
     return out
 
 
+def draft_speculative_tokens(draft: str | Path) -> int:
+    """K for a draft export: ``block_size - 1`` of its ``dflash_config``."""
+    config = json.loads((Path(draft) / CONFIG_FILE).read_text())
+    return speculative_tokens(int(config["dflash_config"]["block_size"]))
+
+
 def serve_command(target: str | Path, draft: str | Path, num_speculative_tokens: int) -> str:
     """The ``vllm serve`` line for ``target`` with the draft export ``draft`` (K = block_size - 1)."""
     spec = json.dumps({"method": "dflash", "model": str(draft), "num_speculative_tokens": num_speculative_tokens})
     return f"vllm serve {target} --trust-remote-code --speculative-config '{spec}'"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Console entry point; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="dflash-export-target", description=__doc__.splitlines()[0])
-    parser.add_argument("source", help="SALM checkpoint directory (SALM.save_pretrained layout)")
-    parser.add_argument("out", help="directory to write (may equal source: rewrite in place)")
-    parser.add_argument("--draft", help="a draft export: also print the vllm serve command for both")
-    args = parser.parse_args(argv)
-    try:
-        out = export_target(args.source, args.out)
-    except TargetExportError as err:
-        print(f"dflash-export-target: error: {err}", file=sys.stderr)
-        return 1
-    print(f"dflash-export-target: wrote {out}")
-    if args.draft:
-        block_size = json.loads((Path(args.draft) / CONFIG_FILE).read_text())["dflash_config"]["block_size"]
-        print(serve_command(out, Path(args.draft).resolve(), block_size - 1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

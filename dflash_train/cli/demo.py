@@ -15,18 +15,17 @@ import sys
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
-from dflash_train.cli import CONFIG_DIR
 from dflash_train.config import validate_config
+from dflash_train.config.compose import compose_config
+from dflash_train.errors import ConfigError
 
 DEMO_ASSETS = Path("demo_assets")
-DEMO_RUN = Path("runs/demo")
+DEMO_MARKER = ".dflash_demo_run"
 
 
 def prepare_assets() -> None:
     """The tiny target and the demo speech data, built only when missing."""
-    from dflash_train.data.demo_data import write_demo_data
+    from dflash_train.testing.demo_data import write_demo_data
     from dflash_train.testing.tiny_salm import build_tiny_salm
 
     target_dir = DEMO_ASSETS / "tiny_salm"
@@ -39,20 +38,40 @@ def prepare_assets() -> None:
         write_demo_data(data_dir)
 
 
+def fresh_run_directory(run_dir: Path) -> None:
+    """Make ``run_dir`` empty for a fresh demo run, deleting it only if an earlier demo made it.
+
+    The demo marks its run directory with :data:`DEMO_MARKER`; any other existing directory
+    (a real run, a typo in ``exp_manager.explicit_log_dir``) is a :class:`ConfigError`, untouched.
+    """
+    if run_dir.exists():
+        if not (run_dir / DEMO_MARKER).is_file():
+            raise ConfigError(
+                f"exp_manager.explicit_log_dir={run_dir} exists and was not made by the demo; "
+                "remove it yourself or point the demo elsewhere"
+            )
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / DEMO_MARKER).write_text("written by dflash_train's demo; the demo deletes this directory on its next run\n")
+
+
 def main(overrides: list[str] | None = None) -> int:
-    """Prepare assets, train on ``conf/demo.yaml`` (plus ``overrides``), print the summary; the exit code."""
+    """Prepare assets, train on ``conf/demo.yaml`` (plus ``overrides``, default: the command line),
+    print the summary; the exit code."""
+    overrides = sys.argv[1:] if overrides is None else overrides
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s %(levelname)s] %(message)s")
-    from dflash_train.export_target import export_target
-    from dflash_train.train import train
+    from dflash_train.target.vllm_export import export_target
+    from dflash_train.training.recipe import train
 
     started = time.perf_counter()
     prepare_assets()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name="demo", overrides=overrides or [])
-    validated = validate_config(cfg)
+    validated = validate_config(compose_config("demo", overrides))
     run_dir = Path(validated.run.exp_manager.explicit_log_dir)
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # the demo is always a fresh run
+    try:
+        fresh_run_directory(run_dir)
+    except ConfigError as err:
+        print(f"demo: error: {err}", file=sys.stderr)
+        return 2
     summary = train(validated)
     target = export_target(validated.run.model.pretrained_name, run_dir / "target")
     print("\n=== dflash_train demo ===")
@@ -64,4 +83,4 @@ def main(overrides: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

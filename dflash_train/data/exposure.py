@@ -1,14 +1,12 @@
-"""``dflash-exposure``: estimate the share of training anchors that fall in long-audio examples.
-
-    dflash-exposure --config-name my_run [overrides] [--long-audio-seconds 30] [--batches 1000]
+"""Estimate the share of training anchors that fall in long-audio examples (``dflash-exposure``).
 
 Long audio is rare in most speech sets, and a token budget packs few long examples per
 batch, so a draft can see far less long-audio signal than the example count suggests.
-This runs the recipe's real training sampler (its token budget, bucketing, filters,
-shuffle and seed, as rank 0 of a one-process run; audio is never loaded) for ``--batches``
-batches and counts, per batch, the anchors the DFlash objective can draw (docs/evaluation.md:
-a supervised position with a whole block left in its row / document, at most
-``num_anchors`` per row, drawn uniformly) for each example. The estimate is
+:func:`recipe_batches` runs the recipe's real training sampler (its token budget, bucketing,
+filters, shuffle and seed, as rank 0 of a one-process run; audio is never loaded) and
+:func:`estimate_exposure` counts, per batch, the anchors the DFlash objective can draw
+(docs/evaluation.md: a supervised position with a whole block left in its row / document, at
+most ``num_anchors`` per row, drawn uniformly) for each example. The estimate is
 
     expected anchors in examples with audio > threshold / expected anchors in all examples
 
@@ -18,20 +16,13 @@ anchors are drawn at random, and a multi-rank run shards the data between ranks.
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import sys
 from dataclasses import asdict, dataclass
 from itertools import islice
-from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable
 
 import numpy as np
 
 from dflash_train.data.examples import Example
-
-EXIT_USAGE = 2
 
 
 def supervised_positions(example: Example, placeholder_id: int) -> np.ndarray:
@@ -146,60 +137,3 @@ def recipe_batches(run, target, count: int) -> Iterable[list[Example]]:
     ds = run.data.train_ds
     sampler = build_sampler(module.train_examples(), ds, train_shuffle(ds), run.seed, rank=0, world_size=1)
     return (list(batch) for batch in islice(sampler, count))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from dflash_train.evaluate.arguments import add_recipe_arguments
-
-    parser = argparse.ArgumentParser(
-        prog="dflash-exposure",
-        description="Estimate the fraction of training anchors in long-audio examples, with the recipe's real sampler.",
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_recipe_arguments(parser.add_argument_group("recipe (its data, model and dflash sections are used)"))
-    parser.add_argument("--long-audio-seconds", type=float, default=30.0,
-                        help="an example is long when its total audio lasts longer (default %(default)s)")
-    parser.add_argument("--batches", type=int, default=1000, help="training batches to sample (default %(default)s)")
-    parser.add_argument("--json", help="also write the estimate to this JSON file")
-    return parser
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """Console entry point: 0 on success, 2 on bad arguments, config or data."""
-    from dflash_train.data.conversation import DataError
-    from dflash_train.data.prompt import build_prompt_format
-    from dflash_train.errors import ConfigError
-    from dflash_train.evaluate.loading import compose_recipe, load_target
-    from dflash_train.target import TargetLoadError
-
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s %(levelname)s] %(message)s")
-    try:
-        if not args.config_name:
-            raise ConfigError("--config-name is required: the estimate runs a recipe's training sampler")
-        if args.batches < 1 or args.long_audio_seconds < 0:
-            raise ConfigError("--batches must be >= 1 and --long-audio-seconds >= 0")
-        run = compose_recipe(args.config_name, args.config_dir, args.overrides)
-        target = load_target(run.model, "cpu", "float32")  # its tokenizer and perception lengths are needed
-        prompt_format = build_prompt_format(run.data.prompt_format, target.tokenizer, run.model.audio_locator_tag)
-        estimate = estimate_exposure(
-            recipe_batches(run, target, args.batches),
-            prompt_format.audio_locator_tag_id,
-            run.dflash.block_size,
-            run.dflash.num_anchors,
-            run.data.train_ds.packing,
-            args.long_audio_seconds,
-        )
-    except (ConfigError, DataError, TargetLoadError) as err:
-        print(f"dflash-exposure: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    print(estimate.format())
-    if args.json:
-        Path(args.json).write_text(json.dumps(estimate.to_dict(), indent=2))
-        print(f"estimate: {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Synthesize the demo speech dataset: short English sentences spoken by espeak-ng, as lhotse cuts.
 
-    python -m dflash_train.data.demo_data --out demo_assets/data [--count 320] [--val-count 32]
+    python -m dflash_train.testing.demo_data --out demo_assets/data [--count 320] [--val-count 32]
 
 Writes ``<out>/wavs/*.wav`` (16 kHz mono), ``<out>/train_cuts.jsonl.gz`` and
 ``<out>/val_cuts.jsonl.gz``. The sentences are generated here from fixed word lists; voice,

@@ -21,12 +21,12 @@ from dflash_train.atomic import AtomicCheckpointIO, atomic_directory
 from dflash_train.config.schema import LIGHTNING_PRECISION, RunConfig
 from dflash_train.config.validate import ValidatedConfig
 from dflash_train.draft.build import DraftSpec, build_draft, warm_start
-from dflash_train.draft.variants import VARIANT_REGISTRY
 from dflash_train.draft.export import full_state_dict, verify_export, write_export
+from dflash_train.draft.variants import VARIANT_REGISTRY
 from dflash_train.errors import ConfigError
-from dflash_train.module import DFlashDraftModule, ModuleSettings, OptimSettings
-from dflash_train.preemption import PreemptionCheckpoint
 from dflash_train.target import load_target_for_run
+from dflash_train.training.module import DFlashDraftModule, ModuleSettings, OptimSettings
+from dflash_train.training.preemption import PreemptionCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class TrainSummary:
         if self.export_dir is None:
             lines.append("no final export (training did not finish); resume from the last checkpoint")
             return lines
-        from dflash_train.export_target import serve_command
+        from dflash_train.target.vllm_export import serve_command
 
         target = serve_target or "<vLLM-ready target: dflash-export-target SALM_CKPT OUT>"
         lines += [

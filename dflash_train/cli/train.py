@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_train.config import missing_keys, validate_config
+from dflash_train.constants import CONFIG_DIR
 from dflash_train.errors import ConfigError
-from dflash_train.launch import launch_stamp
+from dflash_train.training.launch import launch_stamp
 
 log = logging.getLogger("dflash_train")
-
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 # ${dflash_launch_stamp:} in hydra.run.dir: one directory for all ranks of a launch.
 OmegaConf.register_new_resolver("dflash_launch_stamp", launch_stamp, use_cache=True, replace=True)
@@ -30,7 +28,7 @@ OmegaConf.register_new_resolver("dflash_launch_stamp", launch_stamp, use_cache=T
 def run(cfg: DictConfig) -> None:
     """Validate the recipe, train the draft, print where the export is and how to serve it."""
     validated = validate_config(cfg)
-    from dflash_train.train import train
+    from dflash_train.training.recipe import train
 
     summary = train(validated)
     for line in summary.report(validated.run):

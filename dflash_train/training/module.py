@@ -23,8 +23,15 @@ from dflash_train.data.batch import SpeechBatch
 from dflash_train.data.packing import document_layout
 from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE
 from dflash_train.draft.build import DraftSpec, anchor_count_multiple, build_trainer_core
-from dflash_train.labels import target_argmax_labels
-from dflash_train.metrics import WEIGHT_INDEX, BlockStats, all_reduce_sum, empty_step_sums, step_sums, world_size
+from dflash_train.training.metrics import (
+    WEIGHT_INDEX,
+    BlockStats,
+    all_reduce_sum,
+    empty_step_sums,
+    step_sums,
+    world_size,
+)
+from dflash_train.training.target_labels import target_argmax_labels
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +235,7 @@ class DFlashDraftModule(L.LightningModule):
         """The core on ``inputs``, or on :meth:`placeholder_inputs` with zero weight when they hold no anchor.
 
         Returns ``(metrics, sums, loss_sum)``: ``sums`` are the batch's :class:`BlockStats`
-        as a device tensor (:func:`~dflash_train.metrics.step_sums`); ``loss_sum`` is Σ w·CE
+        as a device tensor (:func:`~dflash_train.training.metrics.step_sums`); ``loss_sum`` is Σ w·CE
         of this batch, the quantity whose gradient, summed over ranks and micro-batches and
         divided by the window's Σ w, is the gradient of the exact window loss.
         """
