@@ -50,13 +50,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dflash_train.atomic import atomic_directory  # noqa: E402
-from dflash_train.config.schema import DFlash2Config  # noqa: E402
 from dflash_train.data.batch import SpeechBatch  # noqa: E402
 from dflash_train.draft import DraftSpec, build_draft  # noqa: E402
 from dflash_train.draft.export import full_state_dict, verify_export, write_export  # noqa: E402
 from dflash_train.target.causal_lm import CausalLMTarget  # noqa: E402
 from dflash_train.target.taps import derive_target_layer_ids  # noqa: E402
 from dflash_train.training.module import DFlashDraftModule, ModuleSettings, OptimSettings  # noqa: E402
+from dflash_train.variants import DFlash2Config  # noqa: E402
 
 PEAK_BF16_FLOPS = 989e12  # H100 / H200 SXM dense BF16
 

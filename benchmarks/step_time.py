@@ -38,11 +38,11 @@ def _setup(work: Path, num_anchors: int, repeat: int = 4):
     from lhotse import CutSet, Recording
     from nemo.collections.speechlm2.models import SALM
 
-    from dflash_train.config.schema import DFlash2Config
     from dflash_train.draft import DraftSpec, build_draft
     from dflash_train.target import SALMTarget
     from dflash_train.testing.speech import synthesize
     from dflash_train.testing.tiny_salm import build_tiny_salm
+    from dflash_train.variants import DFlash2Config
 
     salm_dir = work / "salm"
     if not (salm_dir / "model.safetensors").exists():

@@ -3,3 +3,7 @@
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the key and the fix in one line."""
+
+
+class MissingDependencyError(ImportError):
+    """A package the requested work needs is not installed; the message gives the install line."""

@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 from conftest import compose
 
-from dflash_train.config import DFlash2Config, missing_keys, validate_config
+from dflash_train.config import missing_keys, validate_config
 from dflash_train.constants import CONFIG_DIR
 from dflash_train.errors import ConfigError
+from dflash_train.variants import DFlash2Config
 
 CONF = CONFIG_DIR
 PRIMARY_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml"))
@@ -136,12 +137,11 @@ def test_unknown_key_inside_an_input_entry_is_named_with_its_path():
 
 def test_a_wheel_install_finds_the_shipped_recipe(tmp_path):
     """`pip install dflash-train` (not editable) must still compose `dflash` and `demo`."""
+    import shutil
     import subprocess
     import sys
 
     from conftest import REPO_ROOT
-
-    import shutil
 
     source, wheels, site = tmp_path / "source", tmp_path / "wheels", tmp_path / "site"
     # build from the sources alone: a checkout's *.egg-info would list the YAML files by itself

@@ -10,11 +10,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dflash_train"
 # Lower levels never import higher ones; a unit may import its own level.
 LEVELS = {
     "constants": 0, "errors": 0, "atomic": 0,
-    "config": 1,
-    "data": 2, "target": 2, "draft": 2,
-    "evaluate": 3, "vllm_plugin": 3, "testing": 3,
-    "training": 4,
-    "cli": 5, "__main__": 5,
+    "variants": 1,
+    "config": 2,
+    "data": 3, "target": 3, "draft": 3,
+    "evaluate": 4, "vllm_plugin": 4, "testing": 4,
+    "training": 5,
+    "cli": 6, "__main__": 6,
 }
 
 

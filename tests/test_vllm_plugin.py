@@ -15,7 +15,7 @@ import pytest
 import tomllib
 from conftest import REPO_ROOT
 
-from dflash_train.draft.variants import ARCHITECTURE_ALIASES
+from dflash_train.variants import ARCHITECTURE_ALIASES
 from dflash_train.vllm_plugin.acceptance import (
     ACCEPTED,
     ACCEPTED_PER_POSITION,

@@ -3,14 +3,16 @@
 The composed Hydra config is checked against these classes before any model is built
 (see :mod:`dflash_train.config.validate`). Fields typed ``dict``/``Any`` are passed
 through to another library (NeMo's SALM config, a Hydra ``_target_`` object) and are
-checked there. DFlash2 extends DFlash: the variant registry :data:`VARIANTS` maps
-``dflash.variant`` to its schema class.
+checked there. The ``dflash`` section is typed by its variant: each variant module of
+:mod:`dflash_train.variants` owns its schema class.
 """
 
 from dataclasses import dataclass, field
 from typing import Optional
 
 from omegaconf import MISSING
+
+from dflash_train.variants import DFlash2Config, DFlashConfig
 
 LABEL_SOURCES = ("target_argmax", "ground_truth")
 ATTENTION_BACKENDS = ("flex_attention", "sdpa")
@@ -130,46 +132,6 @@ class ExpManagerConfig:
     create_csv_logger: bool = True
     requeue_on_preemption: bool = False
     record_sample_ids: bool = False
-
-
-@dataclass
-class DFlashConfig:
-    """The DFlash draft and its training objective (docs/training.md, docs/configuration.md)."""
-
-    variant: str = "dflash"
-    block_size: int = 8
-    loss_decay_gamma: float = 4.0
-    num_anchors: int = 512
-    label_source: str = "target_argmax"
-    projection_only: bool = False
-    draft_num_hidden_layers: int = 6
-    target_layer_ids: Optional[list[int]] = None
-    mask_token_id: Optional[int] = None
-    init_from_pretrained: Optional[str] = None
-    output_dir: str = "export"
-    lr: float = 6.0e-4
-    weight_decay: float = 0.0
-    optimizer: Optional[dict] = None
-    lr_scheduler: Optional[dict] = None
-    use_fused_linear_ce: bool = False
-    attention_backend: Optional[str] = None
-    gradient_checkpointing: bool = False
-    draft_model_config: dict = field(default_factory=dict)
-
-
-@dataclass
-class DFlash2Config(DFlashConfig):
-    """DFlash2: DFlash plus a causal convolution and a low-rank candidate selector."""
-
-    variant: str = "dflash2"
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_rank: int = 256
-    selector_top_k: int = 16
-    selector_loss_weight: float = 1.0
-
-
-VARIANTS: dict[str, type[DFlashConfig]] = {"dflash": DFlashConfig, "dflash2": DFlash2Config}
 
 
 @dataclass

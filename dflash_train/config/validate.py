@@ -2,8 +2,10 @@
 
 Three passes, each failing with a one-line :class:`ConfigError` that names the key:
 unknown keys (with the nearest valid key), types and mandatory values, then the
-cross-field rules of the recipe. Rules that need the target's sizes (tap ids, mask
-token id, DFlash2 group size) live in :func:`validate_against_target`.
+cross-field rules of the recipe (the table :data:`RULES`, then the variant's own rules).
+Rules that need the target's sizes (tap ids, mask token id, the variant's shapes) live in
+:func:`validate_against_target`. Nothing here changes a value except that a precision
+alias is replaced by the name it stands for.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import dataclasses
 import difflib
 import inspect
 import typing
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -24,13 +27,11 @@ from dflash_train.config.schema import (
     LIGHTNING_PRECISION,
     PRECISION_ALIASES,
     STRATEGIES,
-    VARIANTS,
-    DFlash2Config,
-    DFlashConfig,
     RunConfig,
     TrainerConfig,
 )
 from dflash_train.errors import ConfigError
+from dflash_train.variants import VARIANTS, DFlashConfig, TargetDims, variant_named
 
 # Draft-config keys the framework derives itself; `dflash.draft_model_config` may not override them.
 MANAGED_DRAFT_KEYS = (
@@ -51,14 +52,6 @@ class ValidatedConfig(NamedTuple):
 
     run: RunConfig
     trainer_kwargs: dict
-
-
-class TargetDims(NamedTuple):
-    """The target sizes that recipe values are checked against."""
-
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
 
 
 def missing_keys(cfg: DictConfig | ListConfig, prefix: str = "") -> list[str]:
@@ -96,7 +89,7 @@ def _check_unknown_keys(node: DictConfig, schema: type, path: str = "") -> None:
     for key in node.keys():
         full = f"{path}.{key}" if path else str(key)
         if key not in fields and key not in extra:
-            owners = [name for name, cls in VARIANTS.items() if key in {f.name for f in dataclasses.fields(cls)}]
+            owners = [name for name, v in VARIANTS.items() if key in {f.name for f in dataclasses.fields(v.config_schema)}]
             if issubclass(schema, DFlashConfig) and owners:
                 raise ConfigError(
                     f"config key '{full}' belongs to variant {owners[0]}, not {node.get('variant')}; choose the "
@@ -131,10 +124,7 @@ def _dataclass_type(annotation: Any) -> type | None:
 
 
 def _variant_schema(dflash: DictConfig) -> type[DFlashConfig]:
-    variant = dflash.get("variant", "dflash2")
-    if variant not in VARIANTS:
-        raise ConfigError(f"dflash.variant='{variant}' is not a known variant; choose one of {sorted(VARIANTS)}")
-    return VARIANTS[variant]
+    return variant_named(dflash.get("variant", "dflash2")).config_schema
 
 
 def _typed(cfg: DictConfig) -> tuple[RunConfig, dict]:
@@ -156,7 +146,9 @@ def _typed(cfg: DictConfig) -> tuple[RunConfig, dict]:
             f"mandatory config value(s) not set: {', '.join(missing)}; set them in your run config "
             f"or on the command line (e.g. {missing[0]}=...)"
         )
-    return OmegaConf.to_object(merged), trainer_kwargs
+    run = OmegaConf.to_object(merged)
+    run.trainer.precision = PRECISION_ALIASES.get(run.trainer.precision, run.trainer.precision)  # one name per mode
+    return run, trainer_kwargs
 
 
 def _require(condition: bool, message: str) -> None:
@@ -164,83 +156,114 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _check_rules(run: RunConfig) -> None:
-    strategy = run.trainer.strategy
-    for axis in ("tp_size", "pp_size", "cp_size"):
-        value = getattr(strategy, axis)
-        _require(
-            value == 1,
-            f"trainer.strategy.{axis}={value} is not supported: only data-parallel FSDP2/DDP is; "
-            f"set trainer.strategy.{axis}=1",
+@dataclass(frozen=True)
+class Rule:
+    """A cross-field rule of the recipe: ``holds(run)`` or fail with ``message(run)`` (one line, names the fix)."""
+
+    holds: Callable[[RunConfig], bool]
+    message: Callable[[RunConfig], str]
+
+
+def _bf16_modes() -> str:
+    return ", ".join(p for p in [*LIGHTNING_PRECISION, *PRECISION_ALIASES] if p.startswith("bf16"))
+
+
+def _managed_overrides(run: RunConfig) -> list[str]:
+    return sorted(set(run.dflash.draft_model_config) & set(MANAGED_DRAFT_KEYS))
+
+
+RULES: tuple[Rule, ...] = (
+    *(
+        Rule(
+            lambda run, axis=axis: getattr(run.trainer.strategy, axis) == 1,
+            lambda run, axis=axis: f"trainer.strategy.{axis}={getattr(run.trainer.strategy, axis)} is not supported: "
+            f"only data-parallel FSDP2/DDP is; set trainer.strategy.{axis}=1",
         )
-    _require(
-        strategy.ep_size == 1,
-        f"trainer.strategy.ep_size={strategy.ep_size}: expert parallelism of the target needs nemo_automodel's GPU "
-        "target path, which this build does not include; set trainer.strategy.ep_size=1",
-    )
-    _require(
-        strategy.name in STRATEGIES,
-        f"trainer.strategy.name='{strategy.name}' is unknown; choose one of {list(STRATEGIES)}",
-    )
-    run.trainer.precision = PRECISION_ALIASES.get(run.trainer.precision, run.trainer.precision)
-    _require(
-        run.trainer.precision in LIGHTNING_PRECISION,
-        f"trainer.precision='{run.trainer.precision}' is not supported; use a BF16 mode "
-        f"({', '.join(p for p in [*LIGHTNING_PRECISION, *PRECISION_ALIASES] if p.startswith('bf16'))}) "
+        for axis in ("tp_size", "pp_size", "cp_size")
+    ),
+    Rule(
+        lambda run: run.trainer.strategy.ep_size == 1,
+        lambda run: f"trainer.strategy.ep_size={run.trainer.strategy.ep_size}: expert parallelism of the target needs "
+        "nemo_automodel's GPU target path, which this build does not include; set trainer.strategy.ep_size=1",
+    ),
+    Rule(
+        lambda run: run.trainer.strategy.name in STRATEGIES,
+        lambda run: f"trainer.strategy.name='{run.trainer.strategy.name}' is unknown; choose one of {list(STRATEGIES)}",
+    ),
+    Rule(
+        lambda run: run.trainer.precision in LIGHTNING_PRECISION,
+        lambda run: f"trainer.precision='{run.trainer.precision}' is not supported; use a BF16 mode ({_bf16_modes()}) "
         "or 32-true for CPU tests",
-    )
-    model = run.model
-    _require(
-        (model.pretrained_name is None) != (model.salm is None),
-        "set exactly one of model.pretrained_name (a SALM checkpoint) and model.salm (a SALM config to build)",
-    )
-    d = run.dflash
-    _require(d.block_size >= 2, f"dflash.block_size={d.block_size} must be >= 2 (one anchor plus predictions)")
-    _require(d.loss_decay_gamma > 0, f"dflash.loss_decay_gamma={d.loss_decay_gamma} must be > 0")
-    _require(d.num_anchors >= 1, f"dflash.num_anchors={d.num_anchors} must be >= 1")
-    _require(d.draft_num_hidden_layers >= 1, f"dflash.draft_num_hidden_layers={d.draft_num_hidden_layers} must be >= 1")
-    _require(d.lr > 0, f"dflash.lr={d.lr} must be > 0")
-    _require(
-        d.label_source in LABEL_SOURCES,
-        f"dflash.label_source='{d.label_source}' is unknown; choose one of {list(LABEL_SOURCES)}",
-    )
-    _require(
-        d.attention_backend is None or d.attention_backend in ATTENTION_BACKENDS,
-        f"dflash.attention_backend='{d.attention_backend}' is unknown; choose one of {list(ATTENTION_BACKENDS)} "
-        "or null (automatic)",
-    )
-    _require(
-        not d.use_fused_linear_ce,
-        "dflash.use_fused_linear_ce=true is not supported (the decayed block loss needs per-slot weights); "
+    ),
+    Rule(
+        lambda run: (run.model.pretrained_name is None) != (run.model.salm is None),
+        lambda run: "set exactly one of model.pretrained_name (a SALM checkpoint) and model.salm (a SALM config to build)",
+    ),
+    Rule(
+        lambda run: run.dflash.block_size >= 2,
+        lambda run: f"dflash.block_size={run.dflash.block_size} must be >= 2 (one anchor plus predictions)",
+    ),
+    Rule(
+        lambda run: run.dflash.loss_decay_gamma > 0,
+        lambda run: f"dflash.loss_decay_gamma={run.dflash.loss_decay_gamma} must be > 0",
+    ),
+    Rule(lambda run: run.dflash.num_anchors >= 1, lambda run: f"dflash.num_anchors={run.dflash.num_anchors} must be >= 1"),
+    Rule(
+        lambda run: run.dflash.draft_num_hidden_layers >= 1,
+        lambda run: f"dflash.draft_num_hidden_layers={run.dflash.draft_num_hidden_layers} must be >= 1",
+    ),
+    Rule(lambda run: run.dflash.lr > 0, lambda run: f"dflash.lr={run.dflash.lr} must be > 0"),
+    Rule(
+        lambda run: run.dflash.label_source in LABEL_SOURCES,
+        lambda run: f"dflash.label_source='{run.dflash.label_source}' is unknown; choose one of {list(LABEL_SOURCES)}",
+    ),
+    Rule(
+        lambda run: run.dflash.attention_backend in (None, *ATTENTION_BACKENDS),
+        lambda run: f"dflash.attention_backend='{run.dflash.attention_backend}' is unknown; choose one of "
+        f"{list(ATTENTION_BACKENDS)} or null (automatic)",
+    ),
+    Rule(
+        lambda run: not run.dflash.use_fused_linear_ce,
+        lambda run: "dflash.use_fused_linear_ce=true is not supported (the decayed block loss needs per-slot weights); "
         "set it to false",
-    )
-    if d.projection_only:
-        _require(
-            isinstance(d, DFlash2Config),
-            "dflash.projection_only=true requires dflash.variant=dflash2",
-        )
-        _require(
-            d.init_from_pretrained is not None,
-            "dflash.projection_only=true requires dflash.init_from_pretrained (a trained draft to adapt)",
-        )
-    _require(
-        d.mask_token_id is None or d.mask_token_id >= 0,
-        f"dflash.mask_token_id={d.mask_token_id} must be a non-negative token id",
-    )
-    if d.target_layer_ids is not None:
-        ids = list(d.target_layer_ids)
-        _require(len(ids) > 0, "dflash.target_layer_ids is empty; list decoder-block indices or set it to null")
-        _require(len(set(ids)) == len(ids), f"dflash.target_layer_ids={ids} repeats a layer; list distinct ids")
-    managed = sorted(set(d.draft_model_config) & set(MANAGED_DRAFT_KEYS))
-    _require(
-        not managed,
-        f"dflash.draft_model_config.{managed[0] if managed else ''} is managed by the framework; "
+    ),
+    Rule(
+        lambda run: not run.dflash.projection_only or variant_named(run.dflash.variant).supports_projection_only,
+        lambda run: "dflash.projection_only=true requires dflash.variant="
+        + " or ".join(name for name, v in VARIANTS.items() if v.supports_projection_only),
+    ),
+    Rule(
+        lambda run: not run.dflash.projection_only or run.dflash.init_from_pretrained is not None,
+        lambda run: "dflash.projection_only=true requires dflash.init_from_pretrained (a trained draft to adapt)",
+    ),
+    Rule(
+        lambda run: run.dflash.mask_token_id is None or run.dflash.mask_token_id >= 0,
+        lambda run: f"dflash.mask_token_id={run.dflash.mask_token_id} must be a non-negative token id",
+    ),
+    Rule(
+        lambda run: run.dflash.target_layer_ids is None or len(run.dflash.target_layer_ids) > 0,
+        lambda run: "dflash.target_layer_ids is empty; list decoder-block indices or set it to null",
+    ),
+    Rule(
+        lambda run: run.dflash.target_layer_ids is None
+        or len(set(run.dflash.target_layer_ids)) == len(run.dflash.target_layer_ids),
+        lambda run: f"dflash.target_layer_ids={list(run.dflash.target_layer_ids)} repeats a layer; list distinct ids",
+    ),
+    Rule(
+        lambda run: not _managed_overrides(run),
+        lambda run: f"dflash.draft_model_config.{_managed_overrides(run)[0]} is managed by the framework; "
         "set it through its dflash.* key instead",
-    )
-    if isinstance(d, DFlash2Config):
-        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            _require(getattr(d, key) >= 1, f"dflash.{key}={getattr(d, key)} must be >= 1")
-        _require(d.selector_loss_weight >= 0, f"dflash.selector_loss_weight={d.selector_loss_weight} must be >= 0")
+    ),
+)
+"""Every cross-field rule of the recipe, checked in order; the variant's own rules follow."""
+
+
+def _check_rules(run: RunConfig) -> None:
+    for rule in RULES:
+        if not rule.holds(run):
+            raise ConfigError(rule.message(run))
+    for problem in variant_named(run.dflash.variant).config_problems(run.dflash):
+        raise ConfigError(problem)
 
 
 def validate_config(cfg: DictConfig) -> ValidatedConfig:
@@ -252,7 +275,7 @@ def validate_config(cfg: DictConfig) -> ValidatedConfig:
 
 
 def validate_against_target(d: DFlashConfig, dims: TargetDims, layer_ids: list[int]) -> None:
-    """Rules that need the target's depth, hidden size and vocabulary."""
+    """Rules that need the target's depth, hidden size and vocabulary (the variant's included)."""
     bad = [i for i in layer_ids if not 0 <= i < dims.num_layers]
     _require(
         not bad,
@@ -264,13 +287,5 @@ def validate_against_target(d: DFlashConfig, dims: TargetDims, layer_ids: list[i
             d.mask_token_id < dims.vocab_size,
             f"dflash.mask_token_id={d.mask_token_id} is outside the target vocabulary (size {dims.vocab_size})",
         )
-    if isinstance(d, DFlash2Config):
-        _require(
-            dims.hidden_size % d.conv_group_size == 0,
-            f"dflash.conv_group_size={d.conv_group_size} must divide the target hidden size {dims.hidden_size}",
-        )
-        _require(
-            d.selector_top_k <= dims.vocab_size,
-            f"dflash.selector_top_k={d.selector_top_k} exceeds the target vocabulary ({dims.vocab_size})",
-        )
-
+    for problem in variant_named(d.variant).target_problems(d, dims):
+        raise ConfigError(problem)

@@ -1,4 +1,4 @@
-"""Draft models (nemo_automodel's DFlash / DFlash2 classes): build, warm start, export."""
+"""Draft models (the variant's nemo_automodel classes): build, warm start, attention, export."""
 
 from dflash_train.draft.build import DraftSpec, build_draft, build_draft_config, build_trainer_core
 from dflash_train.draft.export import (
@@ -8,14 +8,10 @@ from dflash_train.draft.export import (
     verify_export,
     write_export,
 )
-from dflash_train.draft.variants import ARCHITECTURE_ALIASES, VARIANT_REGISTRY, DraftVariant
 
 __all__ = [
-    "ARCHITECTURE_ALIASES",
     "DraftExportError",
     "DraftSpec",
-    "DraftVariant",
-    "VARIANT_REGISTRY",
     "build_draft",
     "build_draft_config",
     "build_trainer_core",

@@ -8,9 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash_train.config.schema import DFlashConfig
 from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE, draft_attention_implementation
-from dflash_train.draft.variants import VARIANT_REGISTRY, DraftVariant
+from dflash_train.variants import DFlashConfig, DraftVariant, variant_for_architecture, variant_named
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +25,7 @@ class DraftSpec:
 
     @property
     def variant(self) -> DraftVariant:
-        return VARIANT_REGISTRY[self.cfg.variant]
+        return variant_named(self.cfg.variant)
 
     def dflash_config(self) -> dict:
         """The ``dflash_config`` block of the draft's HF config (and of the export)."""
@@ -35,7 +34,7 @@ class DraftSpec:
             "target_layer_ids": list(self.layer_ids),
             "block_size": int(self.cfg.block_size),
         }
-        block.update({key: getattr(self.cfg, key) for key in self.variant.extra_config_keys})
+        block.update({key: getattr(self.cfg, key) for key in self.variant.export_config_keys})
         return block
 
 
@@ -127,7 +126,8 @@ def build_trainer_core(
 
 
 def warm_start(draft: nn.Module, export_dir: str, spec: DraftSpec) -> None:
-    """Load an exported draft into ``draft`` strictly; taps and mask token must match the run.
+    """Load an exported draft into ``draft`` strictly; variant, taps, mask token and the variant's
+    shape keys must match the run.
 
     ``block_size`` may differ (8 → 16): no weight depends on it.
     """
@@ -143,9 +143,19 @@ def warm_start(draft: nn.Module, export_dir: str, spec: DraftSpec) -> None:
     path = Path(export_dir)
     if not (path / CONFIG_FILE).exists() or not (path / WEIGHTS_FILE).exists():
         raise ConfigError(f"dflash.init_from_pretrained='{export_dir}' is not a draft export ({CONFIG_FILE} + {WEIGHTS_FILE})")
-    trained = json.loads((path / CONFIG_FILE).read_text()).get("dflash_config", {})
+    config = json.loads((path / CONFIG_FILE).read_text())
+    try:
+        trained_variant = variant_for_architecture((config.get("architectures") or ["?"])[0])
+    except ValueError as err:
+        raise ConfigError(f"dflash.init_from_pretrained='{export_dir}': {err}") from None
+    if trained_variant.name != spec.variant.name:
+        raise ConfigError(
+            f"dflash.init_from_pretrained is a {trained_variant.name} draft but this run trains {spec.variant.name}; "
+            f"choose dflash={trained_variant.name} or another export"
+        )
+    trained = config.get("dflash_config", {})
     ours = spec.dflash_config()
-    for key in ("target_layer_ids", "mask_token_id"):
+    for key in ("target_layer_ids", "mask_token_id", *spec.variant.export_config_keys):
         if key in trained and trained[key] != ours[key]:
             raise ConfigError(
                 f"dflash.init_from_pretrained was trained with {key}={trained[key]} but this run uses {ours[key]}; "

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dflash_train.constants import CONFIG_FILE, WEIGHTS_FILE
-from dflash_train.draft.variants import variant_for_architecture
+from dflash_train.variants import variant_for_architecture
 
 # Keys vLLM must not see: it would use them verbatim or expect other layouts.
 FORBIDDEN_CONFIG_KEYS = ("eagle_aux_hidden_state_layer_ids", "block_size", "auto_map")

@@ -24,14 +24,14 @@ speculative output must equal token for token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 from torch import nn
 
-from dflash_train.draft.variants import variant_for_architecture
 from dflash_train.evaluate.session import TargetSession, crop_cache
 from dflash_train.target import SALMTarget
+from dflash_train.variants import variant_for_architecture
 
 
 @dataclass(frozen=True)
@@ -121,35 +121,6 @@ def speculative_decode(
             return out
 
 
-@dataclass(frozen=True)
-class VariantDecoding:
-    """What differs between variants at decode time, as vLLM runs them.
-
-    ``pick`` turns the draft's K hidden states and logits into K tokens (``bonus`` precedes
-    the first); ``forward_kwargs(k)`` are extra draft-forward arguments for a K+1 query block.
-    """
-
-    pick: Callable[[nn.Module, torch.Tensor, torch.Tensor, int], list[int]]
-    forward_kwargs: Callable[[int], dict]
-
-
-def _argmax_tokens(draft: nn.Module, hidden: torch.Tensor, logits: torch.Tensor, bonus: int) -> list[int]:
-    return logits[0].argmax(dim=-1).tolist()
-
-
-def _selector_walk_tokens(draft: nn.Module, hidden: torch.Tensor, logits: torch.Tensor, bonus: int) -> list[int]:
-    anchor = torch.tensor([bonus], dtype=torch.long, device=logits.device)
-    path, _, _ = draft.candidate_selector.walk(hidden, logits, anchor, temperature=0.0)
-    return path[0].tolist()
-
-
-VARIANT_DECODING: dict[str, VariantDecoding] = {
-    "dflash": VariantDecoding(_argmax_tokens, lambda k: {}),
-    # DFlash2's in-block convolutions span the whole query block: vLLM sets their block to 1 + K.
-    "dflash2": VariantDecoding(_selector_walk_tokens, lambda k: {"conv_block_size": k + 1}),
-}
-
-
 class _EmbeddingOwner:
     """Lets the draft embed its query block with the target's table (``draft.embed_noise_block`` API)."""
 
@@ -169,7 +140,7 @@ class DraftProposer:
         self.draft = draft.eval()
         self.target = target
         self.num_speculative_tokens = num_speculative_tokens
-        self.variant = VARIANT_DECODING[variant_for_architecture(draft.config.architectures[0]).name]
+        self.variant = variant_for_architecture(draft.config.architectures[0])
         self._embedder = _EmbeddingOwner(target.embed_tokens)
         self._cache = None
         self._pending: torch.Tensor | None = None
@@ -192,12 +163,12 @@ class DraftProposer:
             target_hidden=self._pending[None].to(self.draft.fc.weight.dtype),
             past_key_values=self._cache,
             use_cache=True,
-            **self.variant.forward_kwargs(k),
+            **self.variant.decode_forward_kwargs(k),
         )[:, 1:]
         crop_cache(self._cache, position)  # keep verified context only; the query block is re-drafted next round
         self._pending = self._pending[:0]
         logits = self.draft.compute_logits(hidden, self.target.lm_head).float()
-        return self.variant.pick(self.draft, hidden, logits, bonus)
+        return self.variant.propose(self.draft, hidden, logits, bonus)
 
     def extend(self, token_ids: Sequence[int], features: torch.Tensor) -> None:
         self._pending = features

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from dflash_train.config.schema import ModelConfig
-from dflash_train.config.validate import TargetDims
 from dflash_train.constants import LLM_BACKBONE_DIR
 from dflash_train.data.batch import SpeechBatch
 from dflash_train.errors import ConfigError
 from dflash_train.target.llm import FrozenLLM
 from dflash_train.target.splice import SplicedBatch, splice_audio_frames
+from dflash_train.variants import TargetDims
 
 log = logging.getLogger(__name__)
 

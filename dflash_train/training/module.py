@@ -320,15 +320,8 @@ class DFlashDraftModule(L.LightningModule):
         values.update({f"data/skipped/{reason}": value for reason, value in zip(reasons, summed[count + 2 :])})
         if torch.cuda.is_available() and self.device.type == "cuda":
             values["train/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        if metrics is not None and hasattr(metrics, "selector_loss"):
-            values.update(
-                {
-                    "train/base_loss": float(metrics.base_loss),
-                    "train/selector_loss": float(metrics.selector_loss),
-                    "train/base_accept_len": float(metrics.base_accept_len),
-                    "train/candidate_recall": float(metrics.candidate_recall),
-                }
-            )
+        if metrics is not None:
+            values.update({f"train/{name}": value for name, value in self.spec.variant.step_metrics(metrics).items()})
         self.log_dict(values, on_step=True)
         self.log_dict(
             {"loss": total.loss, "accept_len": total.accept_len, "tok/s": values["train/tokens_per_second"]},

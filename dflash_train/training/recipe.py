@@ -22,11 +22,11 @@ from dflash_train.config.schema import LIGHTNING_PRECISION, RunConfig
 from dflash_train.config.validate import ValidatedConfig
 from dflash_train.draft.build import DraftSpec, build_draft, warm_start
 from dflash_train.draft.export import full_state_dict, verify_export, write_export
-from dflash_train.draft.variants import VARIANT_REGISTRY
 from dflash_train.errors import ConfigError
 from dflash_train.target import load_target_for_run
 from dflash_train.training.module import DFlashDraftModule, ModuleSettings, OptimSettings
 from dflash_train.training.preemption import PreemptionCheckpoint
+from dflash_train.variants import variant_named
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class TrainSummary:
             f"export: {self.export_dir}",
             "serve: " + serve_command(target, self.export_dir.resolve(), run.dflash.block_size - 1),
         ]
-        note = VARIANT_REGISTRY[run.dflash.variant].serving_note
+        note = variant_named(run.dflash.variant).serving_note
         if note:
             lines.append(f"note: {note}")
         return lines

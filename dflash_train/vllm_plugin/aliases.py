@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from dflash_train.draft.variants import ARCHITECTURE_ALIASES
+from dflash_train.variants import ARCHITECTURE_ALIASES
 
 
 def registration_target(entry: Any) -> type | str:

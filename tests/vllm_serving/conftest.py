@@ -79,7 +79,7 @@ def served_target() -> Path:
 
 def trained_exports() -> dict[str, Path]:
     """The trained exports found, by variant name (the first export of a variant wins)."""
-    from dflash_train.draft.variants import variant_for_architecture
+    from dflash_train.variants import variant_for_architecture
 
     found: dict[str, Path] = {}
     for entry in os.environ.get("DFLASH_VLLM_EXPORTS", "runs/demo/export:runs/demo-dflash/export").split(":"):
@@ -122,9 +122,9 @@ def _untrained_spec(served_target: Path, variant: str):
     """The shape of the demo's trained draft (its export config if there is one), for ``variant``."""
     from transformers import AutoTokenizer
 
-    from dflash_train.config.schema import VARIANTS
     from dflash_train.draft import DraftSpec
     from dflash_train.target.taps import derive_target_layer_ids
+    from dflash_train.variants import VARIANTS
 
     backbone = json.loads((served_target / "llm_backbone" / "config.json").read_text())
     exports = trained_exports()
@@ -136,7 +136,7 @@ def _untrained_spec(served_target: Path, variant: str):
         depth, block = 2, 8
         layer_ids = derive_target_layer_ids(backbone["num_hidden_layers"], depth)
         mask_id = len(AutoTokenizer.from_pretrained(served_target))
-    cfg = VARIANTS[variant](draft_num_hidden_layers=depth, block_size=block)
+    cfg = VARIANTS[variant].config_schema(draft_num_hidden_layers=depth, block_size=block)
     return DraftSpec(cfg, tuple(layer_ids), mask_id, backbone["num_hidden_layers"])
 
 

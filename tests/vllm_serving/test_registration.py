@@ -13,7 +13,7 @@ import torch
 from vllm.model_executor.models.interfaces import supports_eagle3, supports_multimodal
 from vllm.model_executor.models.registry import ModelRegistry
 
-from dflash_train.draft.variants import ARCHITECTURE_ALIASES
+from dflash_train.variants import ARCHITECTURE_ALIASES
 from dflash_train.vllm_plugin import SALM_ARCHITECTURE, register
 from dflash_train.vllm_plugin.backbone import AuxHiddenStatesUnsupported
 

@@ -1,0 +1,121 @@
+"""What every draft variant shares: its common config keys and the :class:`DraftVariant` protocol.
+
+A variant (DFlash, DFlash2, next MTP) is one module in this package that subclasses
+:class:`DraftVariant` and is registered in :mod:`dflash_train.variants`. Everything the rest
+of the framework needs to know about a variant is a member here, so no other module
+branches on a variant's name (docs/development.md, Adding a draft variant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple, Optional
+
+import torch
+from torch import nn
+
+from dflash_train.errors import MissingDependencyError
+
+AUTOMODEL_INSTALL = "pip install --no-deps nemo-automodel==0.7.0"
+
+
+@dataclass
+class DFlashConfig:
+    """The ``dflash`` section: the draft and its training objective, keys every variant shares
+    (docs/configuration.md#dflash). A variant's schema subclasses it with its own keys."""
+
+    variant: str = "dflash"
+    block_size: int = 8
+    loss_decay_gamma: float = 4.0
+    num_anchors: int = 512
+    label_source: str = "target_argmax"
+    projection_only: bool = False
+    draft_num_hidden_layers: int = 6
+    target_layer_ids: Optional[list[int]] = None
+    mask_token_id: Optional[int] = None
+    init_from_pretrained: Optional[str] = None
+    output_dir: str = "export"
+    lr: float = 6.0e-4
+    weight_decay: float = 0.0
+    optimizer: Optional[dict] = None
+    lr_scheduler: Optional[dict] = None
+    use_fused_linear_ce: bool = False
+    attention_backend: Optional[str] = None
+    gradient_checkpointing: bool = False
+    draft_model_config: dict = field(default_factory=dict)
+
+
+class TargetDims(NamedTuple):
+    """The target sizes that recipe values are checked against."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+
+def automodel_speculative_dflash():
+    """nemo_automodel's DFlash package (draft models and trainer cores), or a one-line install hint."""
+    try:
+        from nemo_automodel.components.speculative import dflash
+    except ImportError as err:
+        raise MissingDependencyError(
+            f"draft training needs nemo-automodel's DFlash classes ({err}); install them with `{AUTOMODEL_INSTALL}` "
+            "(--no-deps: its own pins conflict with NeMo, and the DFlash classes need none of them)"
+        ) from None
+    return dflash
+
+
+class DraftVariant:
+    """How one draft method is configured, built, trained, exported, warm-started and decoded.
+
+    Subclasses set the class attributes and override the hooks that differ; the defaults
+    are the DFlash behaviour (argmax proposals, no extra keys, rules or metrics).
+    """
+
+    name: str
+    """``dflash.variant`` value and config group option (``dflash=<name>``)."""
+    config_schema: type[DFlashConfig] = DFlashConfig
+    """The typed ``dflash`` section of this variant: its keys and defaults."""
+    export_architecture: str
+    """The class name vLLM's model registry serves this draft under."""
+    architecture_aliases: tuple[str, ...] = ()
+    """Training-time class names (nemo_automodel's) that mean the same architecture."""
+    export_config_keys: tuple[str, ...] = ()
+    """``dflash.*`` keys copied into the export's ``dflash_config`` besides the shared ones; they
+    shape the weights, so a warm start must match them too."""
+    supports_projection_only: bool = False
+    """Whether ``dflash.projection_only`` (train only the feature projection) applies."""
+    serving_note: str = ""
+    """What a user must know before serving this variant's export."""
+
+    def load_classes(self) -> tuple[type[nn.Module], type[nn.Module]]:
+        """nemo_automodel's ``(draft model class, trainer core class)``."""
+        raise NotImplementedError
+
+    def trainer_kwargs(self, cfg: DFlashConfig) -> dict:
+        """Extra keyword arguments of this variant's trainer core."""
+        return {}
+
+    def config_problems(self, cfg: DFlashConfig) -> Iterator[str]:
+        """One message per violated rule of this variant's own keys (checked at start-up)."""
+        yield from ()
+
+    def target_problems(self, cfg: DFlashConfig, dims: TargetDims) -> Iterator[str]:
+        """One message per key that does not fit the target's sizes."""
+        yield from ()
+
+    def step_metrics(self, metrics) -> dict[str, float]:
+        """Variant-specific training metrics of a step's trainer-core output (``train/<name>``)."""
+        return {}
+
+    def decode_forward_kwargs(self, num_speculative_tokens: int) -> dict:
+        """Extra draft-forward arguments for a query block of K+1 positions, as vLLM passes them."""
+        return {}
+
+    def propose(self, draft: nn.Module, hidden: torch.Tensor, logits: torch.Tensor, bonus: int) -> list[int]:
+        """K proposed tokens from the draft's K hidden states and logits (``bonus`` precedes the first),
+        as vLLM's proposer picks them under greedy decoding."""
+        return logits[0].argmax(dim=-1).tolist()
+
+    def __repr__(self) -> str:
+        return f"<draft variant {self.name}>"
