@@ -85,6 +85,12 @@ def compose(config_name: str = "dflash", overrides: list[str] | None = None):
     return compose_config(config_name, overrides or [])
 
 
+def same_tensors(a: dict, b: dict) -> bool:
+    """Two state dicts hold the same names and bit-equal tensors; two empty dicts are an error, not a match."""
+    assert a and a.keys() == b.keys(), f"compared {len(a)} against {len(b)} tensors: {sorted(set(a) ^ set(b))[:5]}"
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
 def tiny_run_overrides(salm_dir) -> list[str]:
     """Overrides that make the main recipe valid for the tiny SALM on CPU."""
     return [

@@ -4,7 +4,8 @@ Every run trains on the same global batch of four conversations: one process tak
 four rows, N processes take 4/N rows each. Writes the final export and, per rank, the
 last logged metrics. Flags: ``--unsupervised ROW,...`` clears the loss mask of those global
 rows (a rank can be left without any anchor), ``--sgd LR`` trains with plain SGD (so the
-weights show any error in the gradient's scale), ``--steps N``.
+weights show any error in the gradient's scale), ``--steps N``, ``--set KEY=VALUE`` (a recipe
+override; repeatable).
 """
 
 import json
@@ -30,19 +31,21 @@ TEXTS = [
 ]
 
 
-def _flags(argv: list[str]) -> tuple[list[str], dict[str, str]]:
-    positional, flags = [], {}
+def _flags(argv: list[str]) -> tuple[list[str], dict[str, str], list[str]]:
+    positional, flags, overrides = [], {}, []
     items = iter(argv)
     for item in items:
-        if item.startswith("--"):
+        if item == "--set":
+            overrides.append(next(items))
+        elif item.startswith("--"):
             flags[item[2:]] = next(items)
         else:
             positional.append(item)
-    return positional, flags
+    return positional, flags, overrides
 
 
 def main() -> None:
-    (out, salm_dir, strategy, variant, *wavs), flags = _flags(sys.argv[1:])
+    (out, salm_dir, strategy, variant, *wavs), flags, overrides = _flags(sys.argv[1:])
     unsupervised = {int(row) for row in flags.get("unsupervised", "").split(",") if row}
     steps = int(flags.get("steps", 3))
     optimizer = [f"dflash.optimizer={{_target_:torch.optim.SGD,lr:{flags['sgd']}}}"] if "sgd" in flags else []
@@ -69,6 +72,7 @@ def main() -> None:
             ]
             + (["dflash.selector_rank=16", "dflash.selector_top_k=8"] if variant == "dflash2" else [])
             + optimizer
+            + overrides
             + [
                 f"exp_manager.explicit_log_dir={out}",
                 "exp_manager.create_tensorboard_logger=false",

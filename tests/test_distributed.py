@@ -31,40 +31,45 @@ def wavs(speech_files, tmp_path_factory):
     return [speech_files["utt-short"], speech_files["utt-mid"], speech_files["utt-long"], extra]
 
 
+def _weights(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "export" / "model.safetensors"))
+
+
+def _worst_difference(ours: dict, ref: dict) -> float:
+    assert ours.keys() == ref.keys() and ref
+    return max((ours[k] - ref[k]).abs().max().item() for k in ref)
+
+
+# Plain SGD, so the weights carry any error in the gradient's scale (AdamW would normalise it away).
+# DFlash2's selector term is a mean over each rank's own candidate-eligible positions, and
+# nemo_automodel's core does not expose that denominator, so with it on two ranks are close to,
+# not equal with, one process (docs/training.md); here it is off and the rest of DFlash2 (its
+# convolutions, the shared block CE) must match exactly.
+SGD = ("--sgd", "0.5", "--steps", "2")
+VARIANT_FLAGS = {"dflash": (), "dflash2": ("--set", "dflash.selector_loss_weight=0")}
+
+
 @pytest.fixture(scope="module")
 def single(tiny_salm_dir, wavs, tmp_path_factory):
     runs = {}
-    for variant in ("dflash", "dflash2"):
+    for variant, flags in VARIANT_FLAGS.items():
         out = tmp_path_factory.mktemp(f"single_{variant}")
-        runs[variant] = (out, _launch(out, tiny_salm_dir, "ddp", variant, 1, wavs))
+        runs[variant] = (out, _launch(out, tiny_salm_dir, "ddp", variant, 1, wavs, *SGD, *flags))
     return runs
 
 
-# DFlash's loss is exactly Σw·CE/Σw over ranks. DFlash2 adds the selector loss, whose own
-# per-rank denominator nemo_automodel's core does not expose, so it is normalised by the
-# base weights: equal ranks, close to (not bit-equal with) one process.
-TOLERANCE = {"dflash": (1e-4, 1e-4), "dflash2": (5e-2, 5e-3)}
-
-
-@pytest.mark.parametrize("strategy, variant", [("ddp", "dflash"), ("fsdp2", "dflash"), ("fsdp2", "dflash2")])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
 def test_two_ranks_match_one(single, tiny_salm_dir, wavs, tmp_path, strategy, variant):
-    loss_rel, weight_abs = TOLERANCE[variant]
     single_dir, single_metrics = single[variant]
-    metrics = _launch(tmp_path, tiny_salm_dir, strategy, variant, 2, wavs)
-    assert metrics[0]["steps"] == metrics[1]["steps"] == single_metrics[0]["steps"] == 3
+    metrics = _launch(tmp_path, tiny_salm_dir, strategy, variant, 2, wavs, *SGD, *VARIANT_FLAGS[variant])
+    assert metrics[0]["steps"] == metrics[1]["steps"] == single_metrics[0]["steps"] == 2
     # every rank logs the globally normalised loss
     assert metrics[0]["train_loss"] == pytest.approx(metrics[1]["train_loss"], abs=1e-6)
-    assert metrics[0]["train_loss"] == pytest.approx(single_metrics[0]["train_loss"], rel=loss_rel)
-    assert metrics[0]["val_loss"] == pytest.approx(single_metrics[0]["val_loss"], rel=loss_rel)
-    ours = load_file(str(tmp_path / "export" / "model.safetensors"))
-    ref = load_file(str(single_dir / "export" / "model.safetensors"))
-    assert ours.keys() == ref.keys()
-    worst = max((ours[k] - ref[k]).abs().max().item() for k in ref)
-    assert worst < weight_abs, f"weights after 3 steps differ by {worst}"
-
-
-def _weights(run_dir: Path) -> dict:
-    return load_file(str(run_dir / "export" / "model.safetensors"))
+    assert metrics[0]["train_loss"] == pytest.approx(single_metrics[0]["train_loss"], rel=1e-5)
+    assert metrics[0]["val_loss"] == pytest.approx(single_metrics[0]["val_loss"], rel=1e-5)
+    worst = _worst_difference(_weights(tmp_path), _weights(single_dir))
+    assert worst < 1e-6, f"{strategy}/{variant}: weights after 2 SGD steps differ from one process by {worst}"
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
@@ -76,6 +81,5 @@ def test_a_rank_without_anchor_runs_the_same_collectives_and_matches_one_process
     two = _launch(tmp_path / "two", tiny_salm_dir, strategy, "dflash", 2, wavs, *flags, timeout=240)
     assert two[0]["steps"] == two[1]["steps"] == single[0]["steps"] == 2
     assert two[0]["train_loss"] == pytest.approx(single[0]["train_loss"], rel=1e-5)
-    ours, ref = _weights(tmp_path / "two"), _weights(tmp_path / "one")
-    worst = max((ours[k] - ref[k]).abs().max().item() for k in ref)
+    worst = _worst_difference(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
     assert worst < 1e-6, f"{strategy}: weights differ from one process by {worst}"

@@ -16,6 +16,7 @@ from dflash_train.cli import eval as eval_cli
 from dflash_train.cli import exposure
 from dflash_train.cli import labels as labels_cli
 from dflash_train.config.schema import InputConfig
+from dflash_train.data import exposure as exposure_estimate
 from dflash_train.data.collate import collate_padded
 from dflash_train.data.examples import Filters, Preparer
 from dflash_train.data.inputs import open_input
@@ -272,7 +273,7 @@ def test_supervised_positions_match_the_real_splice(tiny_target, demo_data, audi
     spliced = tiny_target.splice_batch(batch, 320)
     for row, example in enumerate(examples):
         expected = spliced.loss_mask[row].nonzero().flatten().numpy()
-        assert np.array_equal(exposure.supervised_positions(example, fmt.audio_locator_tag_id), expected)
+        assert np.array_equal(exposure_estimate.supervised_positions(example, fmt.audio_locator_tag_id), expected)
         assert int(spliced.lengths[row]) == example.num_tokens
 
 
@@ -288,11 +289,11 @@ def _example(num_tokens, supervised, duration):
 def test_expected_anchors_follow_the_block_and_cap_rules():
     short, long = _example(20, 10, 2.0), _example(40, 30, 50.0)
     # padded: width 40, block 4 -> anchors at supervised a <= 36; short row: 10 (positions 10..19), long: 27 -> cap 16
-    assert exposure.expected_anchors([short, long], -1, 4, 16, packed=False) == [10.0, 16.0]
+    assert exposure_estimate.expected_anchors([short, long], -1, 4, 16, packed=False) == [10.0, 16.0]
     # packed: in-document a <= len - 4 -> 7 and 27 valid; 16 drawn from 34
-    packed = exposure.expected_anchors([short, long], -1, 4, 16, packed=True)
+    packed = exposure_estimate.expected_anchors([short, long], -1, 4, 16, packed=True)
     assert packed == pytest.approx([7 * 16 / 34, 27 * 16 / 34])
-    estimate = exposure.estimate_exposure([[short, short], [short, long]], -1, 4, 16, False, 30.0)
+    estimate = exposure_estimate.estimate_exposure([[short, short], [short, long]], -1, 4, 16, False, 30.0)
     assert (estimate.batches, estimate.short_only_batches, estimate.long_examples) == (2, 1, 1)
     # a batch of two shorts is 20 wide: 7 anchors each; the denominator keeps that short-only batch
     assert (estimate.anchors, estimate.long_anchors) == (7 + 7 + 10 + 16, 16)

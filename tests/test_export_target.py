@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from conftest import same_tensors
 
 from dflash_train.cli.export_target import main
 from dflash_train.constants import AUDIO_LOCATOR_TAG, SALM_ARCHITECTURE
@@ -40,13 +41,11 @@ def test_nemo_vllm_config_and_tokenizer_accept_the_export(exported):
 
 
 def test_nemo_loads_the_export_with_identical_weights(tiny_target, exported):
-    import torch
     from nemo.collections.speechlm2.models import SALM
 
     reloaded = SALM.from_pretrained(str(exported)).state_dict()
     original = tiny_target.salm.state_dict()
-    assert reloaded.keys() == original.keys()
-    assert all(torch.equal(reloaded[k], original[k]) for k in original)
+    assert same_tensors(reloaded, original)
 
 
 def test_in_place_rerun_fixes_paths_after_a_move(exported, tmp_path):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import UTTERANCES, chatml_speech_batch, compose, tiny_run_overrides
+from conftest import UTTERANCES, chatml_speech_batch, compose, same_tensors, tiny_run_overrides
 from listdata import ListDataModule
 from safetensors.torch import load_file
 
@@ -76,7 +76,7 @@ def test_training_lowers_loss_exports_and_keeps_target_frozen(tiny_salm_dir, tin
     # the target the run used is bit-identical to its checkpoint (a separate load) after training, never checkpointed
     after, on_disk = used["target"].state_dict(), tiny_target.state_dict()
     assert after.keys() == used["before"].keys() == on_disk.keys() and len(after) > 10
-    assert all(torch.equal(after[k], used["before"][k]) and torch.equal(after[k], on_disk[k]) for k in after)
+    assert same_tensors(after, used["before"]) and same_tensors(after, on_disk)
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     assert ckpt["state_dict"] and all(k.startswith("core.draft_model.") for k in ckpt["state_dict"])
     # export: vLLM names, no prefix, no embeddings / head, strict reload done by the recipe
@@ -94,7 +94,7 @@ def test_training_lowers_loss_exports_and_keeps_target_frozen(tiny_salm_dir, tin
     assert {"hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight"} <= set(weights)
     assert not any(k.startswith(("model.", "embed_tokens", "lm_head")) for k in weights)
     trained = {k.removeprefix("core.draft_model."): v for k, v in ckpt["state_dict"].items()}
-    assert all(torch.equal(weights[k], trained[k]) for k in weights)
+    assert same_tensors(weights, trained)
 
 
 def test_projection_only_trains_exactly_fc(tiny_salm_dir, batches, tmp_path):
@@ -118,7 +118,7 @@ def test_warm_start_with_a_larger_block_keeps_every_weight(tiny_salm_dir, batche
     assert reloaded.block_size == 8
     on_disk = load_file(str(first.export_dir / "model.safetensors"))
     state = reloaded.state_dict()
-    assert all(torch.equal(state[k], v) for k, v in on_disk.items())
+    assert same_tensors({k: state[k] for k in on_disk}, on_disk)
     validated = _recipe(tiny_salm_dir, tmp_path / "b8", "dflash.block_size=8",
                         f"dflash.init_from_pretrained={first.export_dir}", "trainer.max_steps=1")
     summary = train(validated, _factory(batches))
@@ -179,7 +179,7 @@ def test_skipped_steps_leave_weights_and_optimizer_untouched(tiny_salm_dir, tiny
     assert skipped.steps == 3
     a = load_file(str(one.export_dir / "model.safetensors"))
     b = load_file(str(skipped.export_dir / "model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert same_tensors(a, b)
     ckpt = torch.load(tmp_path / "skip" / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
     steps = {float(s["step"]) for s in ckpt["optimizer_states"][0]["state"].values()}
     assert ckpt["global_step"] == 3 and steps == {1.0}

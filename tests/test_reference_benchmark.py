@@ -95,7 +95,9 @@ def test_acceptance_benchmark_smallest_configuration_runs(bench, tmp_path):
     assert results["K"] == 7 and results["failures"] == 0 and results["samples_evaluated"] == 2
     for row in results["variants"].values():
         assert row["steps"] == 2 and row["greedy_equal"]
-        assert 1.0 <= row["mal"] <= 8.0 and len(row["per_position"]) == 7
+        accepted = [p["accepted"] for p in row["per_position"]]  # position k is accepted only after 1..k-1
+        assert len(accepted) == 7 and all(later <= earlier for earlier, later in zip(accepted, accepted[1:]))
+        assert accepted[0] <= row["rounds"] and row["mal"] == pytest.approx(1 + sum(accepted) / row["rounds"])
         assert row["wer"] == results["target_wer"]  # greedy equality: speculative WER equals target-only WER
     lines = acceptance.table(results)
     assert lines[0].startswith("| variant |") and sum(line.startswith("| dflash") for line in lines) == 2

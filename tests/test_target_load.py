@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import compose, tiny_run_overrides
+from conftest import compose, same_tensors, tiny_run_overrides
 from safetensors.torch import load_file, save_file
 
 from dflash_train.config import validate_config
@@ -20,8 +20,7 @@ def test_builder_is_deterministic_and_reload_is_identical(tiny_salm_dir, tiny_ta
     again = build_tiny_salm(tmp_path / "again")
     first = load_file(str(tiny_salm_dir / "model.safetensors"))
     second = load_file(str(again / "model.safetensors"))
-    assert first.keys() == second.keys()
-    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert same_tensors(first, second)
     loaded = tiny_target.salm.state_dict()
     assert all(torch.equal(loaded[k], first[k]) for k in first)
     assert (tiny_salm_dir / "llm_backbone" / "config.json").exists()

@@ -128,3 +128,44 @@ def test_dflash_context_keys_get_each_draft_layers_own_k_norm():
     normed = DFlashQwen3Model._normalize_context_k(owner, keys)
     expected = keys * torch.rsqrt(keys.pow(2).mean(-1, keepdim=True) + 1e-6) * weights[:, None, None, :]
     torch.testing.assert_close(normed, expected, rtol=1e-5, atol=1e-5)
+
+
+# register() in a fresh process where NeMo cannot be imported: the draft aliases must still be
+# registered, the SALM architecture must not be, and the log must say why.
+WITHOUT_NEMO = r"""
+import json, logging, sys
+sys.modules["nemo"] = None  # `import nemo...` now raises ImportError, as on a machine without NeMo
+logging.basicConfig(level=logging.INFO, format="%%(levelname)s %%(message)s")
+from vllm.model_executor.models.registry import ModelRegistry
+from dflash_train.vllm_plugin import register
+register()
+print(json.dumps({n: n in ModelRegistry.models for n in [%r, *%r]}))
+""" % (SALM_ARCHITECTURE, sorted(ARCHITECTURE_ALIASES))
+
+
+def test_register_without_nemo_keeps_the_draft_aliases_and_says_why():
+    env = {**os.environ, "VLLM_PLUGINS": ""}  # vLLM's own plugin loading must not register anything first
+    result = subprocess.run([sys.executable, "-c", WITHOUT_NEMO], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    registered = json.loads(result.stdout.strip().splitlines()[-1])
+    assert registered.pop(SALM_ARCHITECTURE) is False
+    assert registered and all(registered.values()), registered
+    assert "NeMo's SALM vLLM support is not importable" in result.stderr and "SALM targets unavailable" in result.stderr
+
+
+def test_a_tokenizer_without_the_audio_placeholder_is_a_one_line_error(served_target):
+    from transformers import AutoTokenizer
+
+    from dflash_train.vllm_plugin.salm import AUDIO_PLACEHOLDER, placeholder_token_id
+
+    tokenizer = AutoTokenizer.from_pretrained(str(served_target))
+    assert placeholder_token_id(tokenizer) == tokenizer.convert_tokens_to_ids(AUDIO_PLACEHOLDER)
+
+    class WithoutPlaceholder:
+        def get_vocab(self):
+            return {token: i for token, i in tokenizer.get_vocab().items() if token != AUDIO_PLACEHOLDER}
+
+    with pytest.raises(ValueError, match=r"the SALM tokenizer has no '<\|audio\|>' token; write the target with "
+                                         "dflash-export-target") as err:
+        placeholder_token_id(WithoutPlaceholder())
+    assert "\n" not in str(err.value)
