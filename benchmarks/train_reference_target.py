@@ -314,10 +314,9 @@ def train_target(steps: int, seed: int, batch_size: int, lr: float, encoder_stat
 def transcribe(target_dir: Path, cuts: Path, limit: int | None = None, max_new_tokens: int = 48) -> dict:
     """Target-only greedy transcripts of ``cuts`` (the evaluation package's prompt and decoder) and their WER."""
     from dflash_train.config.schema import InputConfig
-    from dflash_train.evaluate.decoder import StopRule, greedy_decode
+    from dflash_train.evaluate.decoder import StopRule
     from dflash_train.evaluate.loading import TargetSource, default_stop_token_ids, load_target_context
-    from dflash_train.evaluate.requests import RequestFailure, prompt_embeddings, read_requests, reply_text
-    from dflash_train.evaluate.session import TargetSession
+    from dflash_train.evaluate.requests import RequestFailure, greedy_reply, prompt_embeddings, read_requests
     from dflash_train.evaluate.wer import corpus_wer
 
     inp = InputConfig(type="lhotse_as_conversation", cuts_path=str(cuts))
@@ -327,11 +326,11 @@ def transcribe(target_dir: Path, cuts: Path, limit: int | None = None, max_new_t
     for request in read_requests(inp, ctx.prompt_format, ctx.estimator, ctx.system_prompt, limit=limit):
         if isinstance(request, RequestFailure):
             raise RuntimeError(f"{request.id}: {request.error}")
-        decoded = greedy_decode(TargetSession(ctx.target), prompt_embeddings(ctx.target, request.prompt), rule)
+        decoded, text = greedy_reply(ctx.target, ctx.prompt_format, prompt_embeddings(ctx.target, request.prompt), rule)
         if decoded.finish_reason != "stop":
             truncated.append(request.id)
         ids.append(request.id)
-        hyps.append(reply_text(ctx.prompt_format, decoded))
+        hyps.append(text)
         refs.append(request.reference)
     wer = corpus_wer(ids, hyps, refs)
     return {"wer": wer.to_dict(), "samples": len(ids), "truncated": truncated,

@@ -256,3 +256,37 @@ def test_trained_draft_is_accepted_and_cache_holds_verified_context_only(tiny_ta
         total = total + AcceptanceCounters.from_rounds(K, out.accepted_per_round)
     print(f"trained tiny draft: pooled MAL {total.mal:.3f} over {total.rounds} rounds (K={K})")
     assert total.mal > 1.5, f"a draft trained on these very replies should be accepted: MAL {total.mal}"
+
+
+def _text_llm(tiny_target):
+    """A random Hugging Face Qwen3 causal LM of the tiny target's shape."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(**tiny_target.llm_config.to_dict())).eval()
+
+
+def test_every_target_implements_the_frozen_target_protocol(tiny_target):
+    from dflash_train.target import FrozenTarget
+    from dflash_train.target.causal_lm import CausalLMTarget
+
+    members = {name for name in vars(FrozenTarget) if not name.startswith("_")} | set(FrozenTarget.__annotations__)
+    assert {"splice_batch", "forward_taps", "forward_cached", "new_cache", "perception", "llm_config"} <= members
+    text_only = CausalLMTarget(_text_llm(tiny_target), tiny_target.pad_id, tiny_target.tokenizer)
+    for target in (tiny_target, text_only):
+        missing = sorted(name for name in members if not hasattr(target, name))
+        assert not missing, f"{type(target).__name__} lacks {missing}"
+
+
+def test_a_text_only_target_decodes_through_the_protocol_like_hf_generate(tiny_target):
+    """The reference decoder's session uses only FrozenTarget members: a CausalLMTarget must decode
+    exactly what the same LLM's own greedy ``generate`` produces."""
+    from dflash_train.target.causal_lm import CausalLMTarget
+
+    llm = _text_llm(tiny_target)
+    target = CausalLMTarget(llm, tiny_target.pad_id)
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3]])
+    rule = StopRule(12, frozenset())
+    ours = greedy_decode(TargetSession(target), target.embed_tokens(prompt), rule)
+    theirs = llm.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert ours.token_ids == theirs[0, prompt.shape[1]:].tolist() and ours.finish_reason == "length"

@@ -11,9 +11,12 @@ same arithmetic in plain Python (picklable, no tensors, no model reference kept)
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from dflash_train.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dflash_train.target.base import FrozenTarget
 
 
 @dataclass(frozen=True)
@@ -49,15 +52,12 @@ class AudioTokenEstimator:
     min_chunk_samples: int = 1
 
     @classmethod
-    def from_target(cls, target) -> "AudioTokenEstimator":
-        """Estimator for a loaded SALM target (``SALMTarget`` or anything exposing ``salm`` and ``sampling_rate``).
-
-        Uses the same ``encoder_chunk_size_seconds`` the target reads from its SALM config.
-        """
-        salm = target.salm
-        return cls.from_perception(
-            salm.perception, int(target.sampling_rate), salm.cfg.get("encoder_chunk_size_seconds", None)
-        )
+    def from_target(cls, target: "FrozenTarget") -> "AudioTokenEstimator":
+        """Estimator for a loaded target with audio (its ``perception``, ``sampling_rate`` and
+        ``encoder_chunk_size_seconds``, the members of ``FrozenTarget`` that fix frame counts)."""
+        if target.perception is None:
+            raise ValueError(f"{type(target).__name__} has no audio perception: it cannot estimate audio frames")
+        return cls.from_perception(target.perception, int(target.sampling_rate), target.encoder_chunk_size_seconds)
 
     @classmethod
     def from_perception(

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from dflash_train.evaluate.session import TargetSession, crop_cache
-from dflash_train.target import SALMTarget
+from dflash_train.target import FrozenTarget
 from dflash_train.variants import variant_for_architecture
 
 
@@ -134,7 +134,7 @@ class _EmbeddingOwner:
 class DraftProposer:
     """An exported DFlash / DFlash2 draft proposing through its own KV cache of verified context."""
 
-    def __init__(self, draft: nn.Module, target: SALMTarget, num_speculative_tokens: int):
+    def __init__(self, draft: nn.Module, target: FrozenTarget, num_speculative_tokens: int):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
         self.draft = draft.eval()

@@ -18,7 +18,7 @@ from dflash_train.config.schema import InputConfig, ModelConfig, RunConfig
 from dflash_train.data.estimator import AudioTokenEstimator
 from dflash_train.data.prompt import ChatMLFormat, build_prompt_format
 from dflash_train.errors import ConfigError
-from dflash_train.target import SALMTarget, load_salm
+from dflash_train.target import FrozenTarget, SALMTarget, load_salm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # vLLM's NeMo SALM model (NeMo 3.0.0 ``speechlm2/vllm/salm/model.py``, ``_PERCEPTION_DTYPE``) runs
@@ -100,7 +100,7 @@ def load_target(
     return target
 
 
-def load_draft(path: str, target: SALMTarget, device: str, dtype: str) -> nn.Module:
+def load_draft(path: str, target: FrozenTarget, device: str, dtype: str) -> nn.Module:
     """An exported draft, checked against the target it will propose for."""
     from dflash_train.draft import load_export
 

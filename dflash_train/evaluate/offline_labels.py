@@ -23,10 +23,9 @@ from dflash_train.config.schema import InputConfig
 from dflash_train.data.estimator import AudioTokenEstimator
 from dflash_train.data.prompt import ChatMLFormat
 from dflash_train.errors import ConfigError
-from dflash_train.evaluate.decoder import StopRule, greedy_decode
-from dflash_train.evaluate.requests import RequestFailure, prompt_embeddings, read_requests, reply_text
-from dflash_train.evaluate.session import TargetSession
-from dflash_train.target import SALMTarget
+from dflash_train.evaluate.decoder import StopRule
+from dflash_train.evaluate.requests import RequestFailure, greedy_reply, prompt_embeddings, read_requests
+from dflash_train.target import FrozenTarget
 
 ORIGINAL_TEXT = "original_text"  # cuts (supervision custom field) and NeMo ASR manifests
 ORIGINAL_VALUE = "original_value"  # the relabelled assistant turn of a conversation record
@@ -111,7 +110,7 @@ def _check_output(inp: InputConfig, output: Path) -> None:
 
 
 def generate_labels(
-    target: SALMTarget,
+    target: FrozenTarget,
     prompt_format: ChatMLFormat,
     estimator: AudioTokenEstimator,
     inp: InputConfig,
@@ -133,11 +132,10 @@ def generate_labels(
             run.excluded.append(Excluded(request.index, request.id, "failed", request.error))
             continue
         try:
-            decoded = greedy_decode(TargetSession(target), prompt_embeddings(target, request.prompt), rule)
+            decoded, text = greedy_reply(target, prompt_format, prompt_embeddings(target, request.prompt), rule)
         except Exception as err:  # one sample's failure is listed; the others are labelled
             run.excluded.append(Excluded(request.index, request.id, "failed", f"{type(err).__name__}: {err}"))
             continue
-        text = reply_text(prompt_format, decoded)
         if decoded.finish_reason != "stop":
             detail = f"no stop token in {len(decoded.token_ids)} tokens"
             run.excluded.append(Excluded(request.index, request.id, "truncated", detail))

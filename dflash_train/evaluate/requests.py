@@ -23,8 +23,9 @@ from dflash_train.data.estimator import AudioTokenEstimator
 from dflash_train.data.examples import Example, Filters, Preparer
 from dflash_train.data.inputs import Input, open_input
 from dflash_train.data.prompt import ChatMLFormat
-from dflash_train.evaluate.decoder import Decoded
-from dflash_train.target import SALMTarget
+from dflash_train.evaluate.decoder import Decoded, StopRule, greedy_decode
+from dflash_train.evaluate.session import TargetSession
+from dflash_train.target import FrozenTarget
 
 
 @dataclass
@@ -117,7 +118,7 @@ def read_requests(
 
 
 @torch.no_grad()
-def prompt_embeddings(target: SALMTarget, prompt: Example) -> torch.Tensor:
+def prompt_embeddings(target: FrozenTarget, prompt: Example) -> torch.Tensor:
     """The prompt's LLM inputs ``[1, S, H]``: audio loaded, encoded and spliced as in training."""
     batch = collate_padded([prompt], target.pad_id, "eval").with_placements(target.audio_locator_tag_id)
     # the id written at audio frames is irrelevant here: only the embeddings are used
@@ -129,3 +130,13 @@ def reply_text(prompt_format: ChatMLFormat, decoded: Decoded) -> str:
     """The reply as text: the tokens before the stop token that ended it, special tokens dropped."""
     ids = decoded.token_ids[:-1] if decoded.finish_reason == "stop" else decoded.token_ids
     return prompt_format.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def greedy_reply(target: FrozenTarget, prompt_format: ChatMLFormat, embeds: torch.Tensor, rule: StopRule) -> tuple[Decoded, str]:
+    """The target's greedy reply to one prompt (its spliced embeddings), as tokens and as text.
+
+    The one decode-to-text path: ``dflash-eval``'s target-only pass, ``dflash-labels`` and the
+    reference target's transcripts all read the target's reply through it.
+    """
+    decoded = greedy_decode(TargetSession(target), embeds, rule)
+    return decoded, reply_text(prompt_format, decoded)

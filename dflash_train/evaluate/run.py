@@ -18,7 +18,7 @@ from torch import nn
 
 from dflash_train.config.schema import InputConfig
 from dflash_train.errors import ConfigError
-from dflash_train.evaluate.decoder import Decoded, DraftProposer, StopRule, greedy_decode, speculative_decode
+from dflash_train.evaluate.decoder import Decoded, DraftProposer, StopRule, speculative_decode
 from dflash_train.evaluate.loading import (
     SERVING_PERCEPTION_DTYPE,
     TargetContext,
@@ -29,7 +29,14 @@ from dflash_train.evaluate.loading import (
     weights_digest,
 )
 from dflash_train.evaluate.report import EvalReport, Generation, SampleResult
-from dflash_train.evaluate.requests import EvalRequest, RequestFailure, prompt_embeddings, read_requests, reply_text
+from dflash_train.evaluate.requests import (
+    EvalRequest,
+    RequestFailure,
+    greedy_reply,
+    prompt_embeddings,
+    read_requests,
+    reply_text,
+)
 from dflash_train.evaluate.session import TargetSession
 
 log = logging.getLogger(__name__)
@@ -174,16 +181,14 @@ def evaluate_request(settings: EvalSettings, loaded: Loaded, request: EvalReques
     rule = StopRule(settings.max_new_tokens, frozenset(settings.stop_token_ids))
     embeds = prompt_embeddings(target, request.prompt)
 
-    def text(decoded: Decoded) -> str:
-        return reply_text(loaded.context.prompt_format, decoded)
-
-    reference = greedy_decode(TargetSession(target), embeds, rule)
+    prompt_format = loaded.context.prompt_format
+    reference, reference_text = greedy_reply(target, prompt_format, embeds, rule)
     outputs = {}
     for name, draft in loaded.drafts.items():
         proposer = DraftProposer(draft, target, settings.num_speculative_tokens)
         decoded = speculative_decode(TargetSession(target, draft.target_layer_ids), proposer, embeds, rule)
-        outputs[name] = _generation(decoded, text(decoded))
-    return SampleResult(request.index, request.id, request.reference, _generation(reference, text(reference)), outputs)
+        outputs[name] = _generation(decoded, reply_text(prompt_format, decoded))
+    return SampleResult(request.index, request.id, request.reference, _generation(reference, reference_text), outputs)
 
 
 def evaluate(settings: EvalSettings, loaded: Loaded, indices: Optional[set[int]] = None) -> EvalReport:

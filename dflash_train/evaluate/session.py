@@ -9,13 +9,12 @@ accepted prefix. :class:`TargetSession` gives exactly that for one sequence.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from dflash_train.target import SALMTarget, record_taps
+from dflash_train.target.base import FrozenTarget
 
 
 @dataclass
@@ -32,29 +31,19 @@ class TargetSession:
     ``layer_ids`` are the tapped decoder blocks (empty: no taps, e.g. target-only decoding).
     """
 
-    def __init__(self, target: SALMTarget, layer_ids: Sequence[int] = ()):
-        from transformers import DynamicCache
-
+    def __init__(self, target: FrozenTarget, layer_ids: Sequence[int] = ()):
         self.target = target
         self.layer_ids = list(layer_ids)
-        self.cache = DynamicCache(config=target.llm_config)
+        self.cache = target.new_cache()
         self.length = 0
 
     @torch.no_grad()
     def _forward(self, inputs_embeds: torch.Tensor, last_only: bool) -> StepOutput:
         count = inputs_embeds.shape[1]
         positions = torch.arange(self.length, self.length + count, device=inputs_embeds.device)[None]
-        taps = record_taps(self.target.decoder_layers, self.layer_ids) if self.layer_ids else nullcontext()
-        with taps as recorder:
-            out = self.target.decoder(
-                inputs_embeds=inputs_embeds,
-                position_ids=positions,
-                past_key_values=self.cache,
-                use_cache=True,
-                return_dict=True,
-            )
-            features = recorder.features()[0] if recorder is not None else None
-        hidden = out.last_hidden_state[0, -1:] if last_only else out.last_hidden_state[0]
+        out = self.target.forward_cached(inputs_embeds, positions, self.cache, self.layer_ids)
+        features = out.features[0] if out.features is not None else None
+        hidden = out.last_hidden[0, -1:] if last_only else out.last_hidden[0]
         self.length += count
         return StepOutput(self.target.lm_head(hidden).float(), features)
 

@@ -1,9 +1,12 @@
-"""The narrow interface the draft trainer needs from any frozen speech-LLM target."""
+"""The narrow interface the draft trainer, the reference decoder and the data pipeline need from a
+frozen target. :class:`~dflash_train.target.salm.SALMTarget` implements it for NeMo's SALM,
+:class:`~dflash_train.target.causal_lm.CausalLMTarget` for a text-only causal LM; another speech
+LLM implements the same members and nothing else needs to change."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -14,18 +17,46 @@ from dflash_train.target.splice import SplicedBatch
 
 @dataclass
 class TapOutput:
-    """Tapped features ``[B, S, n_taps * H]`` and, when asked for, the final post-norm hidden state."""
+    """Tapped features ``[B, S, n_taps * H]`` (``None`` when no block was tapped) and, when asked
+    for, the final post-norm hidden state ``[B, S, H]``."""
 
-    features: torch.Tensor
+    features: Optional[torch.Tensor]
     last_hidden: Optional[torch.Tensor] = None
 
 
 class FrozenTarget(Protocol):
-    """What the training module uses from a target; another speech LLM implements the same members."""
+    """What every caller uses from a target: nobody reaches past these members.
+
+    Sizes and text: ``num_layers`` (decoder blocks, the tap ids' range), ``hidden_size``,
+    ``vocab_size``, ``llm_config`` (the LLM's HF text config, which a draft is shaped after),
+    ``tokenizer``, ``pad_id``, ``audio_locator_tag_id``. Audio: ``sampling_rate``,
+    ``perception`` (NeMo's audio encoder + projection, ``None`` for a text-only target) and
+    ``encoder_chunk_size_seconds``, which fix how many frames an audio becomes. Compute:
+    the frozen embedding table and LM head, audio splicing, the tapped training forward
+    (whose ``last_hidden`` is the final hidden state a next-token head such as MTP reads),
+    and the cached incremental forward the reference decoder runs.
+    """
 
     num_layers: int
     hidden_size: int
     vocab_size: int
+    pad_id: int
+    sampling_rate: int
+
+    @property
+    def llm_config(self) -> Any: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def audio_locator_tag_id(self) -> int: ...
+
+    @property
+    def perception(self) -> Optional[nn.Module]: ...
+
+    @property
+    def encoder_chunk_size_seconds(self) -> Optional[float]: ...
 
     @property
     def embed_tokens(self) -> nn.Embedding: ...
@@ -43,4 +74,10 @@ class FrozenTarget(Protocol):
         return_last_hidden: bool = False,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+    ) -> TapOutput: ...
+
+    def new_cache(self) -> Any: ...
+
+    def forward_cached(
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: Any, layer_ids: Sequence[int] = ()
     ) -> TapOutput: ...

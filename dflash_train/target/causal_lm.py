@@ -12,18 +12,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflash_train.constants import SAMPLE_RATE
 from dflash_train.data.batch import SpeechBatch
 from dflash_train.target.llm import FrozenLLM
 from dflash_train.target.splice import SplicedBatch
 
 
 class CausalLMTarget(FrozenLLM):
-    """A Hugging Face causal LM held frozen (eval mode always, no gradients), text batches only."""
+    """A Hugging Face causal LM held frozen (eval mode always, no gradients), text batches only.
 
-    def __init__(self, causal_lm: nn.Module, pad_id: int = 0):
+    It has no audio: no perception, and no token is an audio placeholder.
+    """
+
+    audio_locator_tag_id = -1
+    sampling_rate = SAMPLE_RATE
+    perception = None
+    encoder_chunk_size_seconds = None
+
+    def __init__(self, causal_lm: nn.Module, pad_id: int = 0, tokenizer=None):
         super().__init__()
         self.llm = causal_lm
         self.pad_id = int(pad_id)
+        self.tokenizer = tokenizer
         self.freeze()
 
     @property

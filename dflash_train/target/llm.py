@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from contextlib import nullcontext
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from dflash_train.target.base import TapOutput
-from dflash_train.target.taps import tap_decoder
+from dflash_train.target.taps import record_taps, tap_decoder
 
 
 class FrozenLLM(nn.Module):
@@ -64,6 +65,30 @@ class FrozenLLM(nn.Module):
     @property
     def decoder_layers(self) -> nn.ModuleList:
         return self.decoder.layers
+
+    def new_cache(self) -> Any:
+        """An empty KV cache for :meth:`forward_cached`."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.llm_config)
+
+    @torch.no_grad()
+    def forward_cached(
+        self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: Any, layer_ids: Sequence[int] = ()
+    ) -> TapOutput:
+        """Extend ``cache`` by ``inputs_embeds`` at ``position_ids``: the tapped features of the new
+        positions (``None`` without ``layer_ids``) and their final hidden state."""
+        taps = record_taps(self.decoder_layers, layer_ids) if layer_ids else nullcontext()
+        with taps as recorder:
+            out = self.decoder(
+                inputs_embeds=inputs_embeds,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                return_dict=True,
+            )
+            features = recorder.features() if recorder is not None else None
+        return TapOutput(features, out.last_hidden_state)
 
     def forward_taps(
         self,

@@ -46,7 +46,7 @@ class SALMTarget(FrozenLLM):
         the LLM's dtype, and the LLM sees bfloat16-rounded audio frames. An evaluation that
         must produce serving's tokens mirrors it; training leaves the perception alone.
         """
-        self.salm.perception.to(dtype)
+        self.perception.to(dtype)
         self.perception_dtype = dtype
         return self
 
@@ -76,6 +76,14 @@ class SALMTarget(FrozenLLM):
     def sampling_rate(self) -> int:
         return int(self.salm.sampling_rate)
 
+    @property
+    def perception(self) -> nn.Module:
+        return self.salm.perception
+
+    @property
+    def encoder_chunk_size_seconds(self) -> float | None:
+        return self.salm.cfg.get("encoder_chunk_size_seconds", None)
+
     def default_mask_token_id(self) -> int:
         """The first embedding row past the tokenizer (as DFlash drafts for Qwen3 use); error if none is free."""
         tokenizer_len = len(self.tokenizer.tokenizer)
@@ -92,10 +100,10 @@ class SALMTarget(FrozenLLM):
         from nemo.collections.speechlm2.parts.encoder_chunking import encode_audio_with_optional_chunking
 
         frames = encode_audio_with_optional_chunking(
-            self.salm.perception,
+            self.perception,
             audios,
             audio_lens,
-            chunk_size_seconds=self.salm.cfg.get("encoder_chunk_size_seconds", None),
+            chunk_size_seconds=self.encoder_chunk_size_seconds,
             sampling_rate=self.sampling_rate,
         )
         if self.perception_dtype is None:

@@ -23,6 +23,7 @@ from dflash_train.data.batch import SpeechBatch
 from dflash_train.data.packing import document_layout
 from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE
 from dflash_train.draft.build import DraftSpec, anchor_count_multiple, build_trainer_core
+from dflash_train.target.base import FrozenTarget
 from dflash_train.training.metrics import (
     WEIGHT_INDEX,
     BlockStats,
@@ -112,7 +113,7 @@ def pad_to_multiple(inputs: StepInputs, multiple: int) -> StepInputs:
 class DFlashDraftModule(L.LightningModule):
     """Trains ``draft`` on the frozen ``target``'s taps with nemo_automodel's trainer core."""
 
-    def __init__(self, target, draft: torch.nn.Module, spec: DraftSpec, settings: ModuleSettings):
+    def __init__(self, target: FrozenTarget, draft: torch.nn.Module, spec: DraftSpec, settings: ModuleSettings):
         super().__init__()
         self.automatic_optimization = False
         object.__setattr__(self, "target", target)

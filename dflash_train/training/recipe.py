@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from dflash_train.atomic import AtomicCheckpointIO, atomic_directory
 from dflash_train.config.schema import LIGHTNING_PRECISION, RunConfig
 from dflash_train.config.validate import ValidatedConfig
+from dflash_train.constants import speculative_tokens
 from dflash_train.draft.build import DraftSpec, build_draft, warm_start
 from dflash_train.draft.export import full_state_dict, verify_export, write_export
 from dflash_train.errors import ConfigError
@@ -29,9 +30,6 @@ from dflash_train.training.preemption import PreemptionCheckpoint
 from dflash_train.variants import variant_named
 
 log = logging.getLogger(__name__)
-
-# Lightning arguments the module implements itself (manual optimisation).
-MANUAL_TRAINER_KEYS = ("gradient_clip_val", "accumulate_grad_batches")
 
 
 @dataclass
@@ -74,7 +72,7 @@ class TrainSummary:
         target = serve_target or "<vLLM-ready target: dflash-export-target SALM_CKPT OUT>"
         lines += [
             f"export: {self.export_dir}",
-            "serve: " + serve_command(target, self.export_dir.resolve(), run.dflash.block_size - 1),
+            "serve: " + serve_command(target, self.export_dir.resolve(), speculative_tokens(run.dflash.block_size)),
         ]
         note = variant_named(run.dflash.variant).serving_note
         if note:
@@ -294,33 +292,52 @@ def build_datamodule(run: RunConfig, target) -> L.LightningDataModule:
     )
 
 
-def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
-    """Run the recipe; ``datamodule_factory(run, target)`` replaces the configured data pipeline (tests)."""
-    run, trainer_kwargs = validated
-    trainer_kwargs = dict(trainer_kwargs)
-    accelerator = str(trainer_kwargs.get("accelerator", "auto"))
-    backend = resolve_attention_backend(run.dflash.attention_backend, accelerator)
-    if datamodule_factory is None:
-        from dflash_train.data.validate import validate_data_config
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a run writes: its directory, the export, the checkpoint to resume from (if any)."""
 
-        validate_data_config(run.data)
-        datamodule_factory = build_datamodule
-    L.seed_everything(run.seed, workers=True)
+    run_dir: Path
+    export_dir: Path
+    last_checkpoint: Path
+    resume_from: Optional[Path]
+
+    @classmethod
+    def of(cls, run: RunConfig) -> "RunPaths":
+        """The run's paths; resuming without a checkpoint is an error unless ``resume_ignore_no_checkpoint``."""
+        em = run.exp_manager
+        run_dir = run_directory(run)
+        export_dir = Path(run.dflash.output_dir)
+        last = run_dir / "checkpoints" / "last.ckpt"
+        resume = last if em.resume_if_exists and last.exists() else None
+        if resume is None and em.resume_if_exists and not em.resume_ignore_no_checkpoint:
+            raise ConfigError(f"exp_manager.resume_if_exists=true but {last} does not exist")
+        return cls(run_dir, export_dir if export_dir.is_absolute() else run_dir / export_dir, last, resume)
+
+
+def setup_target(run: RunConfig):
+    """The frozen target (BF16 in BF16 runs), the draft's shape and its compute dtype under FSDP2."""
     target, layer_ids, mask_token_id = load_target_for_run(run)
-    # BF16 runs: frozen target in BF16, FSDP2 computes in BF16 (the draft's master weights stay FP32)
     half = torch.bfloat16 if run.trainer.precision.startswith("bf16") else None
     if half is not None:
         target.to(half)
-    spec = DraftSpec(run.dflash, tuple(layer_ids), mask_token_id, target.num_layers)
-    draft = build_draft(target.salm.llm.config, spec, backend)
+    return target, DraftSpec(run.dflash, tuple(layer_ids), mask_token_id, target.num_layers), half
+
+
+def setup_draft(run: RunConfig, target, spec: DraftSpec, backend: str) -> torch.nn.Module:
+    """A fresh draft shaped after the target, or the warm start ``dflash.init_from_pretrained``."""
+    draft = build_draft(target.llm_config, spec, backend)
     if run.dflash.init_from_pretrained:
         warm_start(draft, run.dflash.init_from_pretrained, spec)
     else:
         log.info("draft: fresh initialisation (%s, %d layers)", spec.variant.name, run.dflash.draft_num_hidden_layers)
+    return draft
 
-    datamodule = datamodule_factory(run, target)
+
+def setup_module(run: RunConfig, target, draft, spec: DraftSpec, backend: str, datamodule, half,
+                 trainer_kwargs: dict) -> DFlashDraftModule:
+    """The Lightning module; it takes over clipping and accumulation from ``trainer_kwargs`` (manual optimisation)."""
     settings = ModuleSettings(
-        layer_ids=list(layer_ids),
+        layer_ids=list(spec.layer_ids),
         label_source=run.dflash.label_source,
         attention_backend=backend,
         projection_only=run.dflash.projection_only,
@@ -336,22 +353,26 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
         val_names=list(getattr(datamodule, "val_names", ["val"])),
         fsdp_param_dtype=half,
     )
-    module = DFlashDraftModule(target, draft, spec, settings)
+    return DFlashDraftModule(target, draft, spec, settings)
 
-    run_dir = run_directory(run)
-    export_dir = Path(run.dflash.output_dir)
-    export_dir = export_dir if export_dir.is_absolute() else run_dir / export_dir
-    last = run_dir / "checkpoints" / "last.ckpt"
-    ckpt_path = last if run.exp_manager.resume_if_exists and last.exists() else None
-    if ckpt_path is None and run.exp_manager.resume_if_exists and not run.exp_manager.resume_ignore_no_checkpoint:
-        raise ConfigError(f"exp_manager.resume_if_exists=true but {last} does not exist")
-    val_every = trainer_kwargs.get("val_check_interval")
-    preemption = PreemptionCheckpoint(last, requeue=run.exp_manager.requeue_on_preemption)
-    exporter = ExportOnTrainEnd(export_dir, preemption)
-    extra: list[Callback] = [preemption, exporter, LogResume(ckpt_path)]
+
+@dataclass
+class RunCallbacks:
+    """The callbacks whose state the summary reads."""
+
+    preemption: PreemptionCheckpoint
+    exporter: ExportOnTrainEnd
+
+
+def setup_trainer(run: RunConfig, trainer_kwargs: dict, accelerator: str, paths: RunPaths,
+                  half) -> tuple[L.Trainer, RunCallbacks]:
+    """The Lightning trainer: precision, strategy, checkpointing, preemption, export, logs."""
+    preemption = PreemptionCheckpoint(paths.last_checkpoint, requeue=run.exp_manager.requeue_on_preemption)
+    exporter = ExportOnTrainEnd(paths.export_dir, preemption)
+    extra: list[Callback] = [preemption, exporter, LogResume(paths.resume_from)]
     extra.append(ProgressLog(trainer_kwargs.get("log_every_n_steps") or 50))
     if run.exp_manager.record_sample_ids:
-        extra.append(SampleIdLog(run_dir / "sample_ids"))
+        extra.append(SampleIdLog(paths.run_dir / "sample_ids"))
     precision = LIGHTNING_PRECISION[run.trainer.precision]
     log.info(
         "precision: trainer.precision=%s runs Lightning '%s' (docs/training.md, Precision); frozen target in %s",
@@ -359,26 +380,58 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
         precision,
         str(half or torch.float32).removeprefix("torch."),
     )
+    val_every = trainer_kwargs.get("val_check_interval")
     trainer = L.Trainer(
         **trainer_kwargs,
         precision=precision,
         strategy=build_strategy(run, accelerator, trainer_kwargs),
-        callbacks=_callbacks(run, run_dir, val_every if isinstance(val_every, int) else None) + extra,
+        callbacks=_callbacks(run, paths.run_dir, val_every if isinstance(val_every, int) else None) + extra,
         plugins=_plugins(),
-        logger=_loggers(run, run_dir),
-        default_root_dir=str(run_dir),
+        logger=_loggers(run, paths.run_dir),
+        default_root_dir=str(paths.run_dir),
     )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    return trainer, RunCallbacks(preemption, exporter)
+
+
+def summarize(trainer: L.Trainer, paths: RunPaths, callbacks: RunCallbacks) -> TrainSummary:
+    """What the finished (or preempted) fit leaves: steps, last losses, export, skip counts."""
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     skipped = {k.removeprefix("data/skipped/"): v for k, v in metrics.items() if k.startswith("data/skipped/")}
     return TrainSummary(
-        run_dir=run_dir,
+        run_dir=paths.run_dir,
         steps=trainer.global_step,
         train_loss=metrics.get("train/dflash_loss"),
         val_loss=metrics.get("val/dflash_loss"),
         val_accept_len=metrics.get("val/accept_len"),
-        export_dir=exporter.written,
-        resumed_from=ckpt_path,
+        export_dir=callbacks.exporter.written,
+        resumed_from=paths.resume_from,
         skipped=skipped,
-        stopped_by=preemption.stopped_by,
+        stopped_by=callbacks.preemption.stopped_by,
     )
+
+
+def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
+    """Run the recipe, step by step: checks, target, draft, data, module, trainer, fit, summary.
+
+    ``datamodule_factory(run, target)`` replaces the configured data pipeline (tests).
+    """
+    run, trainer_kwargs = validated
+    trainer_kwargs = dict(trainer_kwargs)
+    accelerator = str(trainer_kwargs.get("accelerator", "auto"))
+    backend = resolve_attention_backend(run.dflash.attention_backend, accelerator)
+    if datamodule_factory is None:
+        from dflash_train.data.validate import validate_data_config
+
+        validate_data_config(run.data)  # data paths and formats, before any weight loads
+        datamodule_factory = build_datamodule
+    paths = RunPaths.of(run)
+    L.seed_everything(run.seed, workers=True)
+
+    target, spec, half = setup_target(run)
+    draft = setup_draft(run, target, spec, backend)
+    datamodule = datamodule_factory(run, target)
+    module = setup_module(run, target, draft, spec, backend, datamodule, half, trainer_kwargs)
+    trainer, callbacks = setup_trainer(run, trainer_kwargs, accelerator, paths, half)
+
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(paths.resume_from) if paths.resume_from else None)
+    return summarize(trainer, paths, callbacks)
