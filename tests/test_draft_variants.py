@@ -124,3 +124,15 @@ def test_warm_start_with_another_selector_shape_names_the_key(tiny_salm_dir, tin
     export = _export(tiny_target, _dflash_cfg(tiny_salm_dir, "dflash2", "dflash.selector_top_k=8"), tmp_path / "s")
     with pytest.raises(ConfigError, match="trained with selector_top_k=8 but this run uses 4; set dflash.selector_top_k=8"):
         _warm_start_into(tiny_target, _dflash_cfg(tiny_salm_dir, "dflash2", "dflash.selector_top_k=4"), export)
+
+
+def test_a_missing_nemo_automodel_names_the_install_line(monkeypatch):
+    import sys
+
+    from dflash_train.errors import MissingDependencyError
+    from dflash_train.variants import VARIANTS
+
+    monkeypatch.setitem(sys.modules, "nemo_automodel.components.speculative", None)
+    for variant in VARIANTS.values():
+        with pytest.raises(MissingDependencyError, match=r"install them with `pip install --no-deps nemo-automodel==0\.7\.0`"):
+            variant.load_classes()
