@@ -248,3 +248,70 @@ def test_a_missing_dataset_path_fails_at_start_up_naming_it(tmp_path):
     with pytest.raises(ConfigError) as err:
         validate_data_config(cfg)
     assert str(err.value) == f"data.train_ds.input_cfg[0].cuts_path='{tmp_path / 'nope.jsonl.gz'}' does not exist"
+
+
+def _float_wav(path, samples, rate=RATE):
+    sf.write(str(path), np.asarray(samples, dtype=np.float32), rate, subtype="FLOAT")
+    return path
+
+
+def test_non_finite_audio_is_skipped_and_counted_but_silence_and_clipping_are_data(tiny_target, audio_estimator,
+                                                                                   wavs, tmp_path):
+    speech, _ = sf.read(str(wavs["utt-short"]), dtype="float32")
+    with_nan, with_inf = speech.copy(), speech.copy()
+    with_nan[100:103] = np.nan
+    with_inf[7] = -np.inf
+    _float_wav(tmp_path / "nan.wav", with_nan)
+    _float_wav(tmp_path / "inf.wav", with_inf)
+    _float_wav(tmp_path / "silent.wav", np.zeros_like(speech))
+    _float_wav(tmp_path / "clipped.wav", np.clip(speech * 50, -1.0, 1.0))
+    seconds = len(speech) / RATE
+    manifest = _write_jsonl(tmp_path / "m.json", [
+        {"audio_filepath": name, "duration": seconds, "text": name}
+        for name in ("nan.wav", "silent.wav", "inf.wav", "clipped.wav")
+    ])
+    nan_cut = Recording.from_file(str(tmp_path / "nan.wav"), recording_id="n").to_cut().with_id("nan-cut")
+    nan_cut.supervisions = [SupervisionSegment("s", "n", 0.0, nan_cut.duration, text="x")]
+    cuts_path = tmp_path / "nan_cuts.jsonl.gz"
+    CutSet([nan_cut]).to_file(cuts_path)
+    module = _module(tiny_target, audio_estimator, [
+        InputConfig(type="lhotse_as_conversation", manifest_filepath=manifest, name="m"),
+        InputConfig(type="lhotse_as_conversation", cuts_path=str(cuts_path), name="m"),
+    ])
+    (batch,) = _read_all(module)
+    assert batch.sample_ids == ["m.json:2", "m.json:4"]  # silent and clipped
+    assert torch.isfinite(batch.audios).all() and float(batch.audios[0].abs().max()) == 0.0
+    assert module.skip_counts() == {"nonfinite_audio": 3}
+
+
+def test_stereo_audio_at_another_rate_is_resampled_with_lhotse_and_averaged(tiny_target, audio_estimator, wavs,
+                                                                           tmp_path):
+    speech, rate = sf.read(str(wavs["utt-mid"]), dtype="float32")
+    assert rate == RATE
+    low = Recording.from_file(str(wavs["utt-mid"])).resample(8000).load_audio()[0]
+    stereo = np.stack([low, 0.25 * low[::-1]], axis=1)  # two different channels at 8 kHz
+    sf.write(str(tmp_path / "stereo8k.wav"), stereo, 8000, subtype="PCM_16")
+    manifest = _write_jsonl(tmp_path / "s.json", [
+        {"audio_filepath": "stereo8k.wav", "duration": len(low) / 8000, "text": "stereo"},
+    ])
+    (batch,) = _read_all(_module(tiny_target, audio_estimator, [_nemo(manifest)]))
+    on_disk, _ = sf.read(str(tmp_path / "stereo8k.wav"), dtype="float32")  # the 16-bit values actually stored
+    expected = Recording.from_file(str(tmp_path / "stereo8k.wav")).resample(RATE).load_audio().mean(axis=0)
+    assert on_disk.shape[1] == 2 and int(batch.audio_lens[0]) == len(expected) == round(len(low) * 2)
+    np.testing.assert_allclose(batch.audios[0, : len(expected)].numpy(), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, body, message", [
+    ("cuts.jsonl", b"{this is not json\n", r"cuts.jsonl:1: not valid JSON"),
+    ("cuts.jsonl", b'{"id": "no-type"}\n', r"cuts.jsonl:1: not a lhotse cut"),
+    ("cuts.jsonl.gz", b'{"id": "plain text, not gzip"}\n', r"cuts.jsonl.gz:1: cannot be read as gzipped UTF-8 JSONL"),
+    ("cuts.jsonl", b"\xff\xfe\x00binary", r"cuts.jsonl:1: cannot be read as UTF-8 JSONL"),
+])
+def test_a_cuts_file_that_is_not_a_lhotse_jsonl_is_an_error_naming_file_and_line(tiny_target, audio_estimator,
+                                                                                 tmp_path, name, body, message):
+    (tmp_path / name).write_bytes(body)
+    module = _module(tiny_target, audio_estimator,
+                     [InputConfig(type="lhotse_as_conversation", cuts_path=str(tmp_path / name))])
+    with pytest.raises(DataError, match=message) as err:
+        _read_all(module)
+    assert "\n" not in str(err.value)

@@ -18,6 +18,7 @@ ROLES = ("system", "user", "assistant")
 SKIP_REASONS = {
     "missing_audio": "an audio file does not exist",
     "unreadable_audio": "an audio file exists but cannot be opened as audio",
+    "nonfinite_audio": "an audio segment holds NaN or infinite samples",
     "empty_audio": "an audio segment has zero length",
     "audio_out_of_range": "offset + duration run past the end of the audio file",
     "no_supervision": "a lhotse cut has no supervision segment (nothing to transcribe)",

@@ -1,10 +1,16 @@
 """Readers of the supported input formats; each record becomes a :class:`Conversation`.
 
 Every input is a re-iterable stream of raw records plus a function turning one record
-into a conversation. Conversion checks what can be checked without decoding audio (the
-file exists, its header opens, the segment lies inside it and is not empty, the text to
-supervise is not empty) and raises :class:`SampleSkipped` otherwise. A record whose
-structure is wrong raises :class:`DataError` naming the file and line.
+into a conversation. Conversion checks the audio (the file exists, its header opens, the
+segment lies inside it and is not empty; a file that can hold non-finite samples, floating
+point or not read by libsndfile, is decoded and must hold only finite ones) and the text
+to supervise (not empty), and raises :class:`SampleSkipped` otherwise. A file that is not
+the JSONL it should be, or a record whose structure is wrong, raises :class:`DataError`
+naming the file and line.
+
+Audio of any channel count and sampling rate is accepted: it is resampled to the target's
+rate with lhotse (``Cut.resample``) and its channels are averaged to one (a plain
+mean) when a batch is collated.
 
 Formats (docs/data.md has examples):
 
@@ -20,10 +26,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+import numpy as np
 from lhotse import AudioSource, CutSet, Recording
 from lhotse.cut import Cut, MixedCut
 
@@ -70,7 +78,8 @@ def open_input(cfg: InputConfig, system_prompt: Optional[str], sampling_rate: in
     )
     path = input_path(cfg)
     if cfg.type == "lhotse_as_conversation" and cfg.cuts_path is not None:
-        return Input(cfg.weight, CutSet.from_file(path), defaults.cut_to_conversation)
+        cuts = CutRecords(path) if path.endswith((".jsonl", ".jsonl.gz")) else CutSet.from_file(path)
+        return Input(cfg.weight, cuts, defaults.cut_to_conversation)
     records = JsonlRecords(path)
     if cfg.type == "lhotse_as_conversation":
         return Input(cfg.weight, records, defaults.nemo_entry_to_conversation)
@@ -106,18 +115,44 @@ class JsonlRecords:
         self.path = str(path)
 
     def __iter__(self) -> Iterator[JsonRecord]:
-        opener = gzip.open if self.path.endswith(".gz") else open
-        with opener(self.path, "rt", encoding="utf-8") as handle:
-            for line_no, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    data = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{self.path}:{line_no}: not valid JSON ({err.msg})") from None
-                if not isinstance(data, dict):
-                    raise DataError(f"{self.path}:{line_no}: expected a JSON object per line")
-                yield JsonRecord(self.path, line_no, data)
+        gzipped = self.path.endswith(".gz")
+        opener = gzip.open if gzipped else open
+        line_no = 0
+        try:
+            with opener(self.path, "rt", encoding="utf-8") as handle:
+                for line_no, line in enumerate(handle, start=1):
+                    if not line.strip():
+                        continue
+                    try:
+                        data = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise DataError(f"{self.path}:{line_no}: not valid JSON ({err.msg})") from None
+                    if not isinstance(data, dict):
+                        raise DataError(f"{self.path}:{line_no}: expected a JSON object per line")
+                    yield JsonRecord(self.path, line_no, data)
+        except (OSError, EOFError, UnicodeDecodeError, zlib.error) as err:
+            kind = "gzipped UTF-8 JSONL" if gzipped else "UTF-8 JSONL"
+            raise DataError(
+                f"{self.path}:{line_no + 1}: cannot be read as {kind} ({type(err).__name__}: {err})"
+            ) from None
+
+
+class CutRecords:
+    """Re-iterable cuts of a lhotse ``.jsonl`` / ``.jsonl.gz`` manifest, read line by line, so a
+    broken line is a :class:`DataError` naming the file and line (lhotse's reader raises a bare
+    ``JSONDecodeError``)."""
+
+    def __init__(self, path: str):
+        self.lines = JsonlRecords(path)
+
+    def __iter__(self) -> Iterator[Cut]:
+        from lhotse.cut.set import deserialize_cut
+
+        for record in self.lines:
+            try:
+                yield deserialize_cut(record.data)
+            except Exception as err:  # whatever lhotse trips on, the line is not a cut
+                raise DataError(f"{record.where}: not a lhotse cut ({type(err).__name__}: {err})") from None
 
 
 @dataclass(frozen=True)
@@ -214,7 +249,19 @@ def resolve_audio_path(path: str, manifest_path: str) -> Path:
     return beside if beside.exists() else candidate
 
 
-def _open_recording(path: Path, sample_id: str) -> Recording:
+# libsndfile subtypes whose samples are stored as floats and so can be NaN or infinite
+FLOAT_SUBTYPES = frozenset({"FLOAT", "DOUBLE"})
+
+
+@dataclass(frozen=True)
+class OpenedAudio:
+    """A file's recording metadata, and whether its samples can be non-finite (must be decoded to know)."""
+
+    recording: Recording
+    may_be_nonfinite: bool
+
+
+def _open_recording(path: Path, sample_id: str) -> OpenedAudio:
     """The file's recording metadata from its header; a missing or unopenable file is a skip.
 
     libsndfile reads the header directly (it is the hot path: every rank checks every sample
@@ -229,30 +276,45 @@ def _open_recording(path: Path, sample_id: str) -> Recording:
     except Exception:  # not a libsndfile format, or broken: let lhotse's backends decide
         header = None
     if header is not None:
-        return Recording(
+        recording = Recording(
             id=path.stem,
             sources=[AudioSource(type="file", channels=list(range(header.channels)), source=str(path))],
             sampling_rate=int(header.samplerate),
             num_samples=int(header.frames),
             duration=header.frames / header.samplerate,
         )
+        return OpenedAudio(recording, header.subtype in FLOAT_SUBTYPES)
     try:
-        return Recording.from_file(str(path))
+        return OpenedAudio(Recording.from_file(str(path)), True)
     except Exception as err:  # any decoder failure means the same thing here
         raise SampleSkipped("unreadable_audio", f"sample '{sample_id}': cannot open {path} ({type(err).__name__})")
+
+
+def _check_finite(cut: Cut, sample_id: str, path: Any) -> None:
+    """Decode ``cut`` (one file's segment, at its own rate) and skip the sample if any value is NaN or infinite."""
+    try:
+        samples = cut.load_audio()
+    except Exception as err:
+        raise SampleSkipped("unreadable_audio", f"sample '{sample_id}': cannot decode {path} ({type(err).__name__})")
+    if not np.isfinite(samples).all():
+        bad = int((~np.isfinite(samples)).sum())
+        raise SampleSkipped("nonfinite_audio", f"sample '{sample_id}': {path} holds {bad} NaN or infinite samples")
 
 
 def _segment(
     record: JsonRecord, audio_path: str, offset: float, duration: Optional[float], sample_id: str, sampling_rate: int
 ) -> Cut:
     """The ``[offset, offset + duration)`` segment of a manifest's audio file as a checked cut."""
-    recording = _open_recording(resolve_audio_path(str(audio_path), record.path), sample_id)
+    opened = _open_recording(resolve_audio_path(str(audio_path), record.path), sample_id)
+    recording = opened.recording
     offset = float(offset or 0.0)
     duration = recording.duration - offset if duration is None else float(duration)
     if duration <= 0 or recording.num_samples == 0:
         raise SampleSkipped("empty_audio", f"sample '{sample_id}': {audio_path} segment has zero length")
     _check_range(offset + duration, recording.duration, sample_id, audio_path)
     cut = recording.to_cut().truncate(offset=offset, duration=duration, preserve_id=True)
+    if opened.may_be_nonfinite:
+        _check_finite(cut, sample_id, audio_path)
     return _at_rate(cut.with_id(sample_id), sampling_rate)
 
 
@@ -274,7 +336,7 @@ def checked_audio(cut: Cut, sample_id: str, sampling_rate: int) -> Cut:
     """``cut`` at the target's sampling rate, after checking every audio file behind it.
 
     Raises :class:`SampleSkipped` when a file is missing or unreadable, when the segment is
-    empty, or when it runs past the end of its file.
+    empty, runs past the end of its file or holds non-finite samples.
     """
     if cut.duration <= 0:
         raise SampleSkipped("empty_audio", f"sample '{sample_id}' has a zero-length audio segment")
@@ -286,8 +348,10 @@ def checked_audio(cut: Cut, sample_id: str, sampling_rate: int) -> Cut:
         for source in part.recording.sources:
             if source.type != "file":
                 continue
-            on_disk = _open_recording(Path(source.source), sample_id)
-            if on_disk.num_samples == 0:
+            opened = _open_recording(Path(source.source), sample_id)
+            if opened.recording.num_samples == 0:
                 raise SampleSkipped("empty_audio", f"sample '{sample_id}': {source.source} has no samples")
-            _check_range(part.start + part.duration, on_disk.duration, sample_id, source.source)
+            _check_range(part.start + part.duration, opened.recording.duration, sample_id, source.source)
+            if opened.may_be_nonfinite:
+                _check_finite(part, sample_id, source.source)
     return _at_rate(cut, sampling_rate)
