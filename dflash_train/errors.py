@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class MissingDependencyError(ImportError):
     """A package the requested work needs is not installed; the message gives the install line."""
+
+
+class InputFileError(ValueError):
+    """An input file or directory is missing, empty, truncated or of the wrong kind; the message names it and the fix."""

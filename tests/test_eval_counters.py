@@ -118,9 +118,12 @@ def test_eval_command_fails_on_a_greedy_mismatch_and_flags_failed_samples(monkey
         "failed": EvalReport(SETTINGS, 2, [_sample(0, [7])], [RequestFailure(1, "utt-1", "RuntimeError: boom")]),
     }
     monkeypatch.setattr(run, "prepare", lambda *args, **kwargs: (None, None))
+    cuts = tmp_path / "c.jsonl"
+    cuts.write_text("{}\n")  # --cuts must name a non-empty file; prepare() is replaced, so it is never read
     for name, expected in (("clean", 0), ("mismatch", 1), ("failed", 3)):
         monkeypatch.setattr(run, "evaluate", lambda settings, loaded, report=reports[name]: report)
-        code = eval_cli.main(["--target", "t", "--draft", "d", "--cuts", "c", "--json", str(tmp_path / f"{name}.json")])
+        code = eval_cli.main(["--target", "t", "--draft", "d", "--cuts", str(cuts),
+                              "--json", str(tmp_path / f"{name}.json")])
         assert code == expected, name
         assert (tmp_path / f"{name}.json").exists() and (tmp_path / f"{name}.png").exists()
     out = capsys.readouterr().out

@@ -62,7 +62,7 @@ def test_wrong_audio_tag_and_missing_weights_are_one_line_errors(exported, tmp_p
     with pytest.raises(TargetExportError, match="serves only '<\\|audio\\|>'"):
         export_target(bad, tmp_path / "out")
     (bad / "model.safetensors").unlink()
-    assert main([str(bad), str(tmp_path / "out")]) == 1
+    assert main([str(bad), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dflash-export-target: error:") and "model.safetensors" in err and "\n" not in err
 

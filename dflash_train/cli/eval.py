@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from dflash_train.cli.common import add_debug_argument, run_command
 from dflash_train.evaluate.arguments import (
     UsageError,
     add_data_arguments,
@@ -29,6 +30,7 @@ from dflash_train.evaluate.arguments import (
     input_config,
     target_source,
 )
+from dflash_train.files import check_writable_file
 
 EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED_SAMPLES = 1, 2, 3
 
@@ -55,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_data_arguments(parser)
     add_decoding_arguments(parser, max_new_tokens=128)
+    add_debug_argument(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--json", help="write the full report (aggregates, every sample, settings) to this file")
     out.add_argument("--plot", help="write the per-position acceptance PNG here (default: the --json path with .png)")
@@ -104,20 +107,16 @@ def _run(args: argparse.Namespace):
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Console entry point; returns the exit status (see the module docstring)."""
-    from dflash_train.data.conversation import DataError
-    from dflash_train.draft.export import DraftExportError
-    from dflash_train.errors import ConfigError
-    from dflash_train.evaluate.report import ReportMismatch
-    from dflash_train.target import TargetLoadError
-
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s %(levelname)s] %(message)s")
-    try:
-        report, json_path = _run(args)
-    except (UsageError, ConfigError, DataError, DraftExportError, ReportMismatch, TargetLoadError) as err:
-        print(f"dflash-eval: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+    return run_command("dflash-eval", lambda: _evaluate(args), args.debug, EXIT_USAGE)
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    for flag in ("json", "plot"):
+        if getattr(args, flag):
+            check_writable_file(getattr(args, flag), f"the --{flag} output")
+    report, json_path = _run(args)
     print(report.format_table())
     if json_path is not None:
         print(f"report: {report.write_json(json_path)}")

@@ -9,25 +9,30 @@ import argparse
 import sys
 from pathlib import Path
 
-from dflash_train.target.vllm_export import TargetExportError, draft_speculative_tokens, export_target, serve_command
+from dflash_train.cli.common import add_debug_argument, run_command
+from dflash_train.files import check_writable_directory
+from dflash_train.target.vllm_export import draft_speculative_tokens, export_target, serve_command
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; returns the exit code."""
+    """Console entry point; returns the exit code (2: bad input, nothing written)."""
     parser = argparse.ArgumentParser(prog="dflash-export-target", description=__doc__.splitlines()[0])
     parser.add_argument("source", help="SALM checkpoint directory (SALM.save_pretrained layout)")
     parser.add_argument("out", help="directory to write (may equal source: rewrite in place)")
     parser.add_argument("--draft", help="a draft export: also print the vllm serve command for both")
+    add_debug_argument(parser)
     args = parser.parse_args(argv)
-    try:
+
+    def body() -> int:
+        k = draft_speculative_tokens(args.draft) if args.draft else None  # a bad --draft fails before writing
+        check_writable_directory(args.out, "the vLLM-ready target")
         out = export_target(args.source, args.out)
-    except TargetExportError as err:
-        print(f"dflash-export-target: error: {err}", file=sys.stderr)
-        return 1
-    print(f"dflash-export-target: wrote {out}")
-    if args.draft:
-        print(serve_command(out, Path(args.draft).resolve(), draft_speculative_tokens(args.draft)))
-    return 0
+        print(f"dflash-export-target: wrote {out}")
+        if args.draft:
+            print(serve_command(out, Path(args.draft).resolve(), k))
+        return 0
+
+    return run_command("dflash-export-target", body, args.debug)
 
 
 if __name__ == "__main__":

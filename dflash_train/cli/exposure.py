@@ -14,8 +14,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from dflash_train.cli.common import add_debug_argument, run_command
 from dflash_train.data import exposure as exposure_estimate
 from dflash_train.data.exposure import estimate_exposure, recipe_batches
+from dflash_train.files import check_writable_file
 
 EXIT_USAGE = 2
 
@@ -34,38 +36,41 @@ def build_parser() -> argparse.ArgumentParser:
                         help="an example is long when its total audio lasts longer (default %(default)s)")
     parser.add_argument("--batches", type=int, default=1000, help="training batches to sample (default %(default)s)")
     parser.add_argument("--json", help="also write the estimate to this JSON file")
+    add_debug_argument(parser)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Console entry point: 0 on success, 2 on bad arguments, config or data."""
-    from dflash_train.data.conversation import DataError
-    from dflash_train.data.prompt import build_prompt_format
-    from dflash_train.errors import ConfigError
-    from dflash_train.evaluate.loading import compose_recipe, load_target
-    from dflash_train.target import TargetLoadError
-
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s %(levelname)s] %(message)s")
-    try:
-        if not args.config_name:
-            raise ConfigError("--config-name is required: the estimate runs a recipe's training sampler")
-        if args.batches < 1 or args.long_audio_seconds < 0:
-            raise ConfigError("--batches must be >= 1 and --long-audio-seconds >= 0")
-        run = compose_recipe(args.config_name, args.config_dir, args.overrides)
-        target = load_target(run.model, "cpu", "float32")  # its tokenizer and perception lengths are needed
-        prompt_format = build_prompt_format(run.data.prompt_format, target.tokenizer, run.model.audio_locator_tag)
-        estimate = estimate_exposure(
-            recipe_batches(run, target, args.batches),
-            prompt_format.audio_locator_tag_id,
-            run.dflash.block_size,
-            run.dflash.num_anchors,
-            run.data.train_ds.packing,
-            args.long_audio_seconds,
-        )
-    except (ConfigError, DataError, TargetLoadError) as err:
-        print(f"dflash-exposure: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+    return run_command("dflash-exposure", lambda: _estimate(args), args.debug, EXIT_USAGE)
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from dflash_train.data.prompt import build_prompt_format
+    from dflash_train.data.validate import validate_data_config
+    from dflash_train.errors import ConfigError
+    from dflash_train.evaluate.loading import compose_recipe, load_target
+
+    if not args.config_name:
+        raise ConfigError("--config-name is required: the estimate runs a recipe's training sampler")
+    if args.batches < 1 or args.long_audio_seconds < 0:
+        raise ConfigError("--batches must be >= 1 and --long-audio-seconds >= 0")
+    if args.json:
+        check_writable_file(args.json, "the estimate")
+    run = compose_recipe(args.config_name, args.config_dir, args.overrides)
+    validate_data_config(run.data)
+    target = load_target(run.model, "cpu", "float32")  # its tokenizer and perception lengths are needed
+    prompt_format = build_prompt_format(run.data.prompt_format, target.tokenizer, run.model.audio_locator_tag)
+    estimate = estimate_exposure(
+        recipe_batches(run, target, args.batches),
+        prompt_format.audio_locator_tag_id,
+        run.dflash.block_size,
+        run.dflash.num_anchors,
+        run.data.train_ds.packing,
+        args.long_audio_seconds,
+    )
     print(estimate.format())
     if args.json:
         Path(args.json).write_text(json.dumps(estimate.to_dict(), indent=2))

@@ -20,8 +20,8 @@ import logging
 import sys
 from typing import Optional
 
+from dflash_train.cli.common import add_debug_argument, run_command
 from dflash_train.evaluate.arguments import (
-    UsageError,
     add_data_arguments,
     add_decoding_arguments,
     add_target_arguments,
@@ -29,6 +29,7 @@ from dflash_train.evaluate.arguments import (
     input_config,
     target_source,
 )
+from dflash_train.files import check_writable_file
 
 EXIT_NOTHING_WRITTEN, EXIT_USAGE = 1, 2
 
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_target_arguments(parser, "training set (its single train input)")
     add_data_arguments(parser)
     add_decoding_arguments(parser, max_new_tokens=256)
+    add_debug_argument(parser)
     parser.add_argument(
         "--out", required=True, help="the labelled file to write, same format as the input (.jsonl or .jsonl.gz)"
     )
@@ -51,55 +53,53 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Console entry point; returns the exit status (see the module docstring)."""
-    from dflash_train.data.conversation import DataError
-    from dflash_train.errors import ConfigError
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s %(levelname)s] %(message)s")
+    return run_command("dflash-labels", lambda: _label(args), args.debug, EXIT_USAGE)
+
+
+def _label(args) -> int:
     from dflash_train.evaluate.decoder import StopRule
     from dflash_train.evaluate.loading import default_stop_token_ids, load_target_context
     from dflash_train.evaluate.offline_labels import generate_labels, sidecar_path
-    from dflash_train.target import TargetLoadError
 
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s %(levelname)s] %(message)s")
-    try:
-        source = target_source(args)
-        dev = device(args)
-        context = load_target_context(
-            source, input_config(args), "train", args.prompt_format, args.system_prompt, args.dtype, dev,
-            perception_dtype=args.perception_dtype,
-        )
-        stop_ids = args.stop_token_id or default_stop_token_ids(context.prompt_format)
-        rule = StopRule(args.max_new_tokens, frozenset(stop_ids))
-        settings = {
-            "target": {**source.to_dict(), "description": source.describe()},
-            "target_checkpoint": context.checkpoint(),
-            "target_init_from_checkpoint": context.model.init_from_checkpoint,
-            "input": context.data.cuts_path or context.data.manifest_filepath,
-            "input_type": context.data.type,
-            "prompt_format": context.prompt_format.name,
-            "system_prompt": context.system_prompt,
-            "context": (context.data.tags or {}).get("context"),
-            "decoding": "greedy",
-            "max_new_tokens": rule.max_new_tokens,
-            "stop_token_ids": sorted(rule.stop_token_ids),
-            "dtype": args.dtype,
-            "perception_dtype": args.perception_dtype,
-            "device": dev,
-        }
-        run = generate_labels(
-            context.target,
-            context.prompt_format,
-            context.estimator,
-            context.data,
-            rule,
-            args.out,
-            settings,
-            system_prompt=context.system_prompt,
-            limit=args.limit,
-            sample_ids=set(args.sample_id) if args.sample_id else None,
-        )
-    except (UsageError, ConfigError, DataError, TargetLoadError) as err:
-        print(f"dflash-labels: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+    check_writable_file(args.out, "the labelled file")
+    source = target_source(args)
+    dev = device(args)
+    context = load_target_context(
+        source, input_config(args), "train", args.prompt_format, args.system_prompt, args.dtype, dev,
+        perception_dtype=args.perception_dtype,
+    )
+    stop_ids = args.stop_token_id or default_stop_token_ids(context.prompt_format)
+    rule = StopRule(args.max_new_tokens, frozenset(stop_ids))
+    settings = {
+        "target": {**source.to_dict(), "description": source.describe()},
+        "target_checkpoint": context.checkpoint(),
+        "target_init_from_checkpoint": context.model.init_from_checkpoint,
+        "input": context.data.cuts_path or context.data.manifest_filepath,
+        "input_type": context.data.type,
+        "prompt_format": context.prompt_format.name,
+        "system_prompt": context.system_prompt,
+        "context": (context.data.tags or {}).get("context"),
+        "decoding": "greedy",
+        "max_new_tokens": rule.max_new_tokens,
+        "stop_token_ids": sorted(rule.stop_token_ids),
+        "dtype": args.dtype,
+        "perception_dtype": args.perception_dtype,
+        "device": dev,
+    }
+    run = generate_labels(
+        context.target,
+        context.prompt_format,
+        context.estimator,
+        context.data,
+        rule,
+        args.out,
+        settings,
+        system_prompt=context.system_prompt,
+        limit=args.limit,
+        sample_ids=set(args.sample_id) if args.sample_id else None,
+    )
     print(f"dflash-labels: wrote {run.written} labelled records to {run.output} (settings: {sidecar_path(run.output)})")
     for reason in ("failed", "truncated", "empty"):
         left_out = [e for e in run.excluded if e.reason == reason]

@@ -8,6 +8,7 @@ still ``???`` are listed by key on stderr; nothing is built.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import hydra
@@ -37,16 +38,16 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="dflash")
 def _hydra_main(cfg: DictConfig) -> None:
-    from dflash_train.data.conversation import DataError
-    from dflash_train.draft.export import DraftExportError
-    from dflash_train.target import PlaceholderMismatchError, TargetLoadError
+    """One line on stderr and exit status 1 for bad input or config (``HYDRA_FULL_ERROR=1``: the traceback)."""
+    from dflash_train.cli.common import describe, user_errors
 
     try:
         run(cfg)
-    except ConfigError as err:
-        raise SystemExit(f"config error: {err}") from None
-    except (DataError, TargetLoadError, DraftExportError, PlaceholderMismatchError) as err:
-        raise SystemExit(f"error: {err}") from None
+    except (*user_errors(), OSError) as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        prefix = "config error" if isinstance(err, ConfigError) else "error"
+        raise SystemExit(f"{prefix}: {describe(err)}") from None
 
 
 def _report_missing_after_show_cfg() -> None:

@@ -102,7 +102,7 @@ def check_data_rules(cfg: DataConfig) -> None:
 
 
 def validate_data_config(cfg: DataConfig) -> None:
-    """Start-up check before any model is built: the rules, then every input path exists."""
+    """Start-up check before any model is built: the rules, then every input path is a non-empty file."""
     check_data_rules(cfg)
     splits = [("data.train_ds", cfg.train_ds)]
     if cfg.validation_ds is not None:
@@ -111,4 +111,7 @@ def validate_data_config(cfg: DataConfig) -> None:
         for i, inp in enumerate(ds.input_cfg):
             path = input_path(inp)
             field = "cuts_path" if inp.cuts_path is not None else "manifest_filepath"
-            _require(Path(path).is_file(), f"{key}.input_cfg[{i}].{field}='{path}' does not exist")
+            where = f"{key}.input_cfg[{i}].{field}='{path}'"
+            _require(not Path(path).is_dir(), f"{where} is a directory; give the manifest file (.jsonl or .jsonl.gz)")
+            _require(Path(path).is_file(), f"{where} does not exist")
+            _require(Path(path).stat().st_size > 0, f"{where} is empty; give a manifest with at least one record")

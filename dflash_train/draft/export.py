@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from dflash_train.constants import CONFIG_FILE, WEIGHTS_FILE
+from dflash_train.files import load_safetensors, read_json_object, require_directory
 from dflash_train.variants import variant_for_architecture
 
 # Keys vLLM must not see: it would use them verbatim or expect other layouts.
@@ -76,20 +77,23 @@ def load_export(path: str | Path, attention_backend: str = "sdpa", overrides: di
     ``overrides`` replace ``dflash_config`` entries before the draft is built (a warm start
     with a different ``block_size`` keeps every weight: none depends on the block size).
     """
-    from safetensors.torch import load_file
     from transformers import Qwen3Config
 
-    path = Path(path)
+    path = require_directory(path, f"a draft export ({CONFIG_FILE} + {WEIGHTS_FILE})")
     if not (path / CONFIG_FILE).exists() or not (path / WEIGHTS_FILE).exists():
         raise DraftExportError(f"'{path}' is not a draft export: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
-    raw = json.loads((path / CONFIG_FILE).read_text())
-    variant = variant_for_architecture(raw["architectures"][0])
+    fix = "re-export the draft (dflash-train writes it at the end of training)"
+    raw = read_json_object(path / CONFIG_FILE, fix)
+    try:
+        variant = variant_for_architecture((raw.get("architectures") or ["?"])[0])
+    except ValueError as err:
+        raise DraftExportError(f"'{path}': {err}") from None
     raw["dflash_config"] = {**raw.get("dflash_config", {}), **(overrides or {})}
     config = Qwen3Config(**raw)
     config._attn_implementation = attention_backend
     draft_cls, _ = variant.load_classes()
     draft = draft_cls(config)
-    load_strictly(draft, load_file(str(path / WEIGHTS_FILE)), source=str(path))
+    load_strictly(draft, load_safetensors(path / WEIGHTS_FILE, fix), source=str(path))
     return draft
 
 
@@ -118,8 +122,14 @@ def verify_export(path: str | Path, state: dict[str, torch.Tensor]) -> int:
     """Reload an export strictly and check every tensor equals ``state``; returns the tensor count."""
     from safetensors.torch import load_file
 
-    reloaded = load_export(path)
     expected = export_state_dict(state)
+    nonfinite = [k for k, tensor in expected.items() if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    if nonfinite:
+        raise DraftExportError(
+            f"the trained draft holds NaN or infinite weights in {nonfinite[:8]}: training diverged; "
+            "check the loss curve, lower dflash.lr and resume from an earlier checkpoint"
+        )
+    reloaded = load_export(path)
     on_disk = load_file(str(Path(path) / WEIGHTS_FILE))
     rebuilt = export_state_dict(reloaded.state_dict())
     differing = [k for k in expected if not torch.equal(expected[k], on_disk[k]) or not torch.equal(rebuilt[k], on_disk[k])]

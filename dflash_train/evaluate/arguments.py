@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Optional
 
 from dflash_train.config.schema import InputConfig
@@ -91,6 +92,11 @@ def device(args: argparse.Namespace) -> str:
 def input_config(args: argparse.Namespace) -> Optional[InputConfig]:
     """The input named by ``--cuts`` / ``--manifest`` (``None``: the recipe's)."""
     tags = {"context": args.context} if args.context else {}
+    for flag in ("cuts", "manifest"):
+        path = getattr(args, flag)
+        if path and (not Path(path).is_file() or Path(path).stat().st_size == 0):
+            problem = "is a directory" if Path(path).is_dir() else "does not exist" if not Path(path).exists() else "is empty"
+            raise UsageError(f"--{flag} {path} {problem}; give the {flag} file (.jsonl or .jsonl.gz)")
     if args.cuts:
         return InputConfig(type="lhotse_as_conversation", cuts_path=args.cuts, tags=tags)
     if args.manifest:

@@ -19,6 +19,7 @@ from dflash_train.data.estimator import AudioTokenEstimator
 from dflash_train.data.prompt import ChatMLFormat, build_prompt_format
 from dflash_train.errors import ConfigError
 from dflash_train.target import FrozenTarget, SALMTarget, load_salm
+from dflash_train.target.salm import check_salm_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # vLLM's NeMo SALM model (NeMo 3.0.0 ``speechlm2/vllm/salm/model.py``, ``_PERCEPTION_DTYPE``) runs
@@ -68,10 +69,10 @@ class TargetSource:
         if recipe is not None:
             return recipe.model
         path = Path(self.checkpoint)
-        config = path / "config.json"
-        if not config.is_file() or not (path / "model.safetensors").is_file():
+        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
             raise ConfigError(f"--target '{path}' is not a SALM checkpoint directory (config.json + model.safetensors)")
-        tag = json.loads(config.read_text()).get("audio_locator_tag") or ModelConfig.audio_locator_tag
+        check_salm_checkpoint(path, "--target")
+        tag = json.loads((path / "config.json").read_text()).get("audio_locator_tag") or ModelConfig.audio_locator_tag
         return ModelConfig(pretrained_name=str(path), audio_locator_tag=tag)
 
 

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from dflash_train.config.schema import ModelConfig
-from dflash_train.constants import LLM_BACKBONE_DIR
+from dflash_train.constants import CONFIG_FILE, LLM_BACKBONE_DIR, WEIGHTS_FILE
 from dflash_train.data.batch import SpeechBatch
 from dflash_train.errors import ConfigError
+from dflash_train.files import check_safetensors, read_json_object, require_directory
 from dflash_train.target.llm import FrozenLLM
 from dflash_train.target.splice import SplicedBatch, splice_audio_frames
 from dflash_train.variants import TargetDims
@@ -149,6 +150,19 @@ def _llm_config_for(model: ModelConfig):
     return AutoConfig.from_pretrained(json.loads(Path(salm_cfg_file).read_text())["pretrained_llm"])
 
 
+def check_salm_checkpoint(path: str | Path, key: str) -> Path:
+    """A local SALM checkpoint directory whose ``config.json`` parses and whose weights file is complete.
+
+    ``key`` names the setting that pointed here (``model.pretrained_name``, ``--target``); the
+    checks cost a header read, so a truncated copy fails before any weight loads.
+    """
+    fix = f"point {key} at a SALM checkpoint directory (SALM.save_pretrained: {CONFIG_FILE} + {WEIGHTS_FILE})"
+    path = require_directory(Path(path).expanduser(), f"a SALM checkpoint directory ({CONFIG_FILE} + {WEIGHTS_FILE})")
+    read_json_object(path / CONFIG_FILE, fix)
+    check_safetensors(path / WEIGHTS_FILE, fix)
+    return path
+
+
 def read_target_dims(model: ModelConfig) -> TargetDims:
     """Depth, hidden size and vocabulary of the target LLM, without loading weights."""
     name = model.pretrained_name
@@ -159,6 +173,8 @@ def read_target_dims(model: ModelConfig) -> TargetDims:
                 f"model.pretrained_name='{name}' does not exist; point it at a SALM checkpoint directory "
                 "(config.json + model.safetensors) or a hub id (org/name)"
             )
+        if Path(name).expanduser().exists():
+            check_salm_checkpoint(name, "model.pretrained_name")
     try:
         text = _llm_config_for(model).get_text_config()
     except OSError as err:
@@ -174,6 +190,8 @@ def load_salm(model: ModelConfig) -> nn.Module:
         salm = SALM(dict(model.salm))
         log.info("target: built SALM from model.salm (pretrained_weights=%s)", model.salm.get("pretrained_weights"))
     else:
+        if Path(model.pretrained_name).expanduser().exists():
+            check_salm_checkpoint(model.pretrained_name, "model.pretrained_name")
         try:
             salm = SALM.from_pretrained(model.pretrained_name, strict=model.init_from_checkpoint_strict)
         except RuntimeError as err:

@@ -23,9 +23,11 @@ command on it again in place (``dflash-export-target DIR DIR``).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
+from dflash_train.atomic import atomic_directory
 from dflash_train.constants import (
     AUDIO_LOCATOR_TAG,
     CONFIG_FILE,
@@ -78,9 +80,12 @@ def export_target(src: str | Path, out: str | Path) -> Path:
     """Write the vLLM-ready SALM directory ``out`` from the SALM checkpoint ``src`` (may be the same dir)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from dflash_train.target.salm import check_salm_checkpoint
+
     src, out = Path(src).resolve(), Path(out).resolve()
-    if not (src / CONFIG_FILE).exists() or not (src / WEIGHTS_FILE).exists():
+    if src.is_dir() and (not (src / CONFIG_FILE).exists() or not (src / WEIGHTS_FILE).exists()):
         raise TargetExportError(f"'{src}' is not a SALM checkpoint: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
+    check_salm_checkpoint(src, "SOURCE")  # complete weights, parseable config: checked before anything is written
     cfg = json.loads((src / CONFIG_FILE).read_text())
     if cfg.get("audio_locator_tag") != AUDIO_LOCATOR_TAG:
         raise TargetExportError(
@@ -100,11 +105,6 @@ def export_target(src: str | Path, out: str | Path) -> Path:
             {"additional_special_tokens": [AUDIO_LOCATOR_TAG]}, replace_additional_special_tokens=False
         )
 
-    out.mkdir(parents=True, exist_ok=True)
-    if out != src:
-        shutil.copyfile(src / WEIGHTS_FILE, out / WEIGHTS_FILE)
-    backbone.save_pretrained(out / LLM_BACKBONE_DIR)
-    tokenizer.save_pretrained(out)
     cfg.update(
         architectures=[SALM_ARCHITECTURE],
         model_type="nemo_speechlm",
@@ -113,14 +113,39 @@ def export_target(src: str | Path, out: str | Path) -> Path:
         pretrained_asr=cfg.get("pretrained_asr") or EMBEDDED_ASR,
         pretrained_weights=False,
     )
-    (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
+    with atomic_directory(out) as staging:  # a failure leaves the previous directory (or none), never half of one
+        if out == src:  # in place: keep every file of the checkpoint (the weights hard-linked, not copied)
+            shutil.copytree(src, staging, copy_function=_link_weights_copy_the_rest, dirs_exist_ok=True)
+        else:
+            shutil.copyfile(src / WEIGHTS_FILE, staging / WEIGHTS_FILE)
+        backbone.save_pretrained(staging / LLM_BACKBONE_DIR)
+        tokenizer.save_pretrained(staging)
+        (staging / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def _link_weights_copy_the_rest(source: str, destination: str) -> None:
+    """Hard-link weight files (never rewritten, only replaced); copy everything else, which this export
+    rewrites: writing through a link would change the original before the swap."""
+    if source.endswith(".safetensors"):
+        try:
+            os.link(source, destination)
+            return
+        except OSError:
+            pass
+    shutil.copy2(source, destination)
 
 
 def draft_speculative_tokens(draft: str | Path) -> int:
     """K for a draft export: ``block_size - 1`` of its ``dflash_config``."""
-    config = json.loads((Path(draft) / CONFIG_FILE).read_text())
-    return speculative_tokens(int(config["dflash_config"]["block_size"]))
+    from dflash_train.files import read_json_object, require_directory
+
+    path = require_directory(draft, f"a draft export ({CONFIG_FILE} + {WEIGHTS_FILE})")
+    config = read_json_object(path / CONFIG_FILE, "point --draft at a draft export written by dflash-train")
+    block_size = (config.get("dflash_config") or {}).get("block_size")
+    if not isinstance(block_size, int):
+        raise TargetExportError(f"{path / CONFIG_FILE} has no dflash_config.block_size: it is not a draft export")
+    return speculative_tokens(block_size)
 
 
 def serve_command(target: str | Path, draft: str | Path, num_speculative_tokens: int) -> str:

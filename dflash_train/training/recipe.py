@@ -24,6 +24,7 @@ from dflash_train.constants import speculative_tokens
 from dflash_train.draft.build import DraftSpec, build_draft, warm_start
 from dflash_train.draft.export import full_state_dict, verify_export, write_export
 from dflash_train.errors import ConfigError
+from dflash_train.files import check_writable_directory
 from dflash_train.target import load_target_for_run
 from dflash_train.training.module import DFlashDraftModule, ModuleSettings, OptimSettings
 from dflash_train.training.preemption import PreemptionCheckpoint
@@ -305,7 +306,7 @@ class RunPaths:
     def of(cls, run: RunConfig) -> "RunPaths":
         """The run's paths; resuming without a checkpoint is an error unless ``resume_ignore_no_checkpoint``."""
         em = run.exp_manager
-        run_dir = run_directory(run)
+        run_dir = check_writable_directory(run_directory(run), "the run directory")
         export_dir = Path(run.dflash.output_dir)
         last = run_dir / "checkpoints" / "last.ckpt"
         resume = last if em.resume_if_exists and last.exists() else None

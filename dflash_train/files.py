@@ -1,0 +1,90 @@
+"""Reading the files users hand us, with one-line errors that name the file and the fix.
+
+Every reader here checks before it trusts: a safetensors file must be complete (its header
+covers the whole file: a truncated copy fails here, not halfway through a load), a JSON file
+must parse to an object, a directory must be one. The error is :class:`InputFileError`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash_train.errors import InputFileError
+
+
+def require_directory(path: str | Path, what: str) -> Path:
+    """``path`` as an existing directory; ``what`` says what it should be (e.g. ``"a draft export"``)."""
+    path = Path(path)
+    if not path.exists():
+        raise InputFileError(f"{path} does not exist; it should be {what}")
+    if not path.is_dir():
+        raise InputFileError(f"{path} is a file, not a directory; it should be {what}")
+    return path
+
+
+def read_json_object(path: str | Path, fix: str) -> dict:
+    """The JSON object in ``path``; ``fix`` is what the user should do if it is not one."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputFileError(f"{path} does not exist; {fix}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputFileError(f"{path} is not a readable JSON file ({type(err).__name__}: {err}); {fix}") from None
+    if not isinstance(data, dict):
+        raise InputFileError(f"{path} holds JSON but not an object; {fix}")
+    return data
+
+
+def check_safetensors(path: str | Path, fix: str) -> Path:
+    """``path`` as a complete safetensors file (header parsed, tensors covering the file exactly)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputFileError(f"{path} does not exist; {fix}")
+    try:
+        with safe_open(str(path), "pt"):
+            pass
+    except Exception as err:  # SafetensorError for a truncated or foreign file, OSError for an unreadable one
+        raise InputFileError(f"{path} is not a complete safetensors file ({err}); {fix}") from None
+    return path
+
+
+def load_safetensors(path: str | Path, fix: str) -> dict:
+    """Every tensor of a complete safetensors file (see :func:`check_safetensors`)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(check_safetensors(path, fix)))
+
+
+def _check_creatable(path: Path, what: str) -> None:
+    import os
+
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise InputFileError(f"cannot write {what} {path}: {ancestor} is a file, not a directory; choose another path")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise InputFileError(f"cannot write {what} {path}: {ancestor} is not writable; choose another path")
+
+
+def check_writable_file(path: str | Path, what: str) -> Path:
+    """``path`` can be written as a file (``what`` names it, e.g. ``"the report"``), checked before
+    expensive work so an unwritable output fails in the first second, not at the end."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise InputFileError(f"cannot write {what} {path}: it is a directory; give a file path")
+    _check_creatable(path, what)
+    return path
+
+
+def check_writable_directory(path: str | Path, what: str) -> Path:
+    """``path`` can be created (or replaced) as a directory; an existing file there is never replaced."""
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise InputFileError(f"cannot write {what} {path}: a file of that name exists; choose another path")
+    _check_creatable(path, what)
+    return path
