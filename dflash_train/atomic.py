@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -56,14 +56,14 @@ def atomic_directory(destination: str | Path) -> Iterator[Path]:
         raise
 
 
-def atomic_torch_save(obj: Any, path: str | Path) -> None:
-    """``torch.save`` to a temporary file in ``path``'s directory, flushed and renamed over ``path``."""
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+    """``write(handle)`` into a temporary file in ``path``'s directory, flushed and renamed over ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, staging = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(staging, path)
@@ -72,6 +72,16 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(staging)
         raise
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    """``torch.save`` through :func:`atomic_write`."""
+    atomic_write(path, lambda handle: torch.save(obj, handle))
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """UTF-8 ``text`` through :func:`atomic_write`."""
+    atomic_write(path, lambda handle: handle.write(text.encode("utf-8")))
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

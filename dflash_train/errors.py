@@ -11,3 +11,7 @@ class MissingDependencyError(ImportError):
 
 class InputFileError(ValueError):
     """An input file or directory is missing, empty, truncated or of the wrong kind; the message names it and the fix."""
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Training produced NaN or infinite gradients too many steps in a row; the message names the limit and the fix."""

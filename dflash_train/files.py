@@ -88,3 +88,14 @@ def check_writable_directory(path: str | Path, what: str) -> Path:
         raise InputFileError(f"cannot write {what} {path}: a file of that name exists; choose another path")
     _check_creatable(path, what)
     return path
+
+
+def sha256_file(path: str | Path) -> str:
+    """SHA-256 of a file's bytes (read in 1 MiB blocks): the fingerprint runs, exports and reports record."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -126,3 +126,29 @@ def test_the_demo_deletes_only_a_run_directory_it_made(tmp_path):
     (demo_run / "old_export").mkdir()
     fresh_run_directory(demo_run)
     assert sorted(p.name for p in demo_run.iterdir()) == [DEMO_MARKER]
+
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "dflash_train.py"
+
+
+def test_the_runbook_entry_script_prints_the_resolved_config_from_any_directory(tmp_path):
+    proc = _run([sys.executable, str(SCRIPT), "--config-name=dflash", "--cfg", "job", "--resolve"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "variant: dflash2" in proc.stdout and "num_anchors: 512" in proc.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_runbook_torchrun_command_line_trains_on_two_processes(tiny_salm_dir, demo_data, tmp_path):
+    """The runbook's line verbatim (its keys and values), pointed at the demo target and data."""
+    train_cuts, val_cuts = demo_data
+    run_dir = tmp_path / "run"
+    proc = _run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(SCRIPT), "--config-name=demo",
+                 "trainer.devices=2", "trainer.num_nodes=1", "trainer.max_steps=25", "trainer.limit_train_batches=25",
+                 "trainer.val_check_interval=25", "trainer.limit_val_batches=2",
+                 f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.resume_if_exists=false",
+                 f"model.pretrained_name={tiny_salm_dir}", f"data.train_ds.input_cfg.0.cuts_path={train_cuts}",
+                 f"data.validation_ds.input_cfg.0.cuts_path={val_cuts}", "data.train_ds.bucket_estimate_samples=20",
+                 f"exp_manager.exp_dir={tmp_path / 'exp'}"], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run_dir / "export" / "model.safetensors").exists()
+    assert "steps: 25;" in proc.stderr + proc.stdout

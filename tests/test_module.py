@@ -394,3 +394,41 @@ def test_rounding_the_anchor_count_up_changes_no_loss_or_gradient(tiny_salm_dir,
     worst = max(((round_grads[n] - plain_grads[n]).abs().max() / plain_grads[n].abs().max().clamp_min(1e-12)).item()
                 for n in plain_grads)
     assert worst < 1e-5, worst
+
+
+def _poison_steps(monkeypatch, steps):
+    """Make the loss (hence every gradient) NaN on the training steps ``steps``."""
+    from dflash_train.training.module import DFlashDraftModule
+
+    real = DFlashDraftModule.run_core
+
+    def run_core(self, inputs, rng_key):
+        metrics = real(self, inputs, rng_key)
+        if self.training and self.global_step in steps:
+            metrics.loss = metrics.loss * float("nan")
+        return metrics
+
+    monkeypatch.setattr(DFlashDraftModule, "run_core", run_core)
+
+
+def test_a_step_with_a_nan_gradient_is_not_applied_and_counted(tiny_salm_dir, batches, tmp_path, monkeypatch):
+    one = train(_recipe(tiny_salm_dir, tmp_path / "one", "trainer.max_steps=1", variant="dflash"), _factory(batches))
+    _poison_steps(monkeypatch, {1})
+    two = train(_recipe(tiny_salm_dir, tmp_path / "two", "trainer.max_steps=2", variant="dflash"), _factory(batches))
+    assert two.steps == 2
+    rows = _csv_rows(tmp_path / "two")
+    assert _series(rows, "train/skipped/nonfinite") == [0.0, 1.0] and _series(rows, "train/dflash_skipped_step") == [0.0, 1.0]
+    norms = _series(rows, "train/grad_norm")
+    assert norms[0] > 0 and norms[1] != norms[1]  # the poisoned step has no norm (NaN)
+    assert same_tensors(load_file(str(two.export_dir / "model.safetensors")),
+                        load_file(str(one.export_dir / "model.safetensors")))
+
+
+def test_too_many_nan_steps_in_a_row_stop_the_run_naming_the_limit(tiny_salm_dir, batches, tmp_path, monkeypatch):
+    from dflash_train.errors import NonFiniteTrainingError
+
+    _poison_steps(monkeypatch, {1, 2, 3, 4, 5})
+    validated = _recipe(tiny_salm_dir, tmp_path, "dflash.nonfinite_step_limit=2", variant="dflash")
+    with pytest.raises(NonFiniteTrainingError, match=r"2 optimizer steps in a row had a NaN or infinite gradient "
+                                                     r"\(dflash.nonfinite_step_limit=2\)"):
+        train(validated, _factory(batches))

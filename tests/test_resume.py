@@ -43,3 +43,62 @@ def test_resume_is_exact(tiny_salm_dir, tiny_target, speech_batch, tmp_path, var
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= 1e-6, f"resumed weights differ by {worst}"
     assert not same_tensors(a, at_three), "steps 4-6 did not train"
+
+
+def test_a_run_and_its_export_record_what_made_them(tiny_salm_dir, tiny_target, speech_batch, tmp_path):
+    import hashlib
+    import json
+
+    import yaml
+
+    batch = chatml_speech_batch(tiny_target, speech_batch, TEXTS, repeat=2)
+
+    def factory(run, target):
+        return ListDataModule([batch], [batch])
+
+    def recipe(steps):
+        return _recipe(tiny_salm_dir, tmp_path / "run", f"trainer.max_steps={steps}", "trainer.val_check_interval=2",
+                       "exp_manager.checkpoint_every_n_steps=2", "seed=11", variant="dflash")
+
+    train(recipe(2), factory)
+    first_info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+    resumed = train(recipe(4), factory)
+    info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+    assert first_info["start_step"] == 0 and info["start_step"] == 2  # the resumed run says where it started
+    weights = hashlib.sha256((tiny_salm_dir / "model.safetensors").read_bytes()).hexdigest()
+    assert info["target"]["weights_sha256"] == weights and info["target"]["path"] == str(tiny_salm_dir.resolve())
+    assert info["warm_start"] == "fresh" and info["seed"] == 11 and info["world_size"] == 1
+    assert info["variant"] == "dflash" and all(info["versions"].values()), info["versions"]  # every library installed
+    assert info["data"] == {"train": []}  # the recipe lists no input: this test hands its batches in directly
+    assert info["dflash_train_revision"]  # a commit (or "not a git checkout")
+    resolved = yaml.safe_load((tmp_path / "run" / "resolved_config.yaml").read_text())
+    assert resolved["seed"] == 11 and resolved["dflash"]["variant"] == "dflash" and resolved["trainer"]["precision"]
+    exported = json.loads((resumed.export_dir / "config.json").read_text())["training_info"]
+    assert exported["global_step"] == 4 == resumed.steps
+    assert exported["target"]["weights_sha256"] == weights and exported["run_dir"] == str((tmp_path / "run").resolve())
+
+
+def test_resuming_with_another_target_is_refused_naming_it(tiny_salm_dir, tiny_target, speech_batch, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from dflash_train.errors import ConfigError
+
+    batch = chatml_speech_batch(tiny_target, speech_batch, TEXTS, repeat=2)
+    other = tmp_path / "other_target"
+    shutil.copytree(tiny_salm_dir, other)
+    weights = load_file(str(other / "model.safetensors"))
+    weights["llm.lm_head.weight"] = weights["llm.lm_head.weight"] * 1.01  # same shapes, other weights
+    save_file(weights, str(other / "model.safetensors"))
+
+    def recipe(target, steps):
+        return _recipe(target, tmp_path / "run", f"trainer.max_steps={steps}", "trainer.val_check_interval=2",
+                       "exp_manager.checkpoint_every_n_steps=2", variant="dflash")
+
+    train(recipe(tiny_salm_dir, 2), lambda run, target: ListDataModule([batch], [batch]))
+    with pytest.raises(ConfigError, match=r"checkpoint to resume was written with target_weights_sha256=[0-9a-f]{64} "
+                                          r"but this run has [0-9a-f]{64}"):
+        train(recipe(other, 4), lambda run, target: ListDataModule([batch], [batch]))
+    resumed = train(recipe(tiny_salm_dir, 4), lambda run, target: ListDataModule([batch], [batch]))
+    assert resumed.steps == 4 and resumed.resumed_from is not None  # the same target resumes as before

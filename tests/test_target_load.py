@@ -128,3 +128,39 @@ def test_build_from_salm_config_keys(tiny_salm_dir):
 def test_encoder_chunk_size_reaches_the_target(tiny_salm_dir):
     loaded = load_target_for_run(_run(tiny_salm_dir, "model.encoder_chunk_size_seconds=2.5"))
     assert loaded.target.salm.cfg.encoder_chunk_size_seconds == 2.5
+
+
+class _RunsCode:
+    """A pickle payload that, if unpickled, would create a file (stands in for arbitrary code)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_and_a_plain_one_loads(tiny_salm_dir, tmp_path):
+    state = load_file(str(tiny_salm_dir / "model.safetensors"))
+    plain = tmp_path / "plain.ckpt"
+    torch.save({"state_dict": state, "global_step": 3, "epoch": 0}, plain)  # tensors and plain containers
+    loaded = load_target_for_run(_run(tiny_salm_dir, f"model.init_from_checkpoint={plain}"))
+    assert torch.equal(loaded.target.lm_head.weight, state["llm.lm_head.weight"])
+
+    marker = tmp_path / "code_ran"
+    hostile = tmp_path / "hostile.ckpt"
+    torch.save({"state_dict": state, "payload": _RunsCode(marker)}, hostile)
+    with pytest.raises(TargetLoadError, match=r"init_from_checkpoint='.*hostile.ckpt' holds pickled Python objects "
+                                              r"beyond tensors .*refused: save its state_dict as .safetensors"):
+        load_target_for_run(_run(tiny_salm_dir, f"model.init_from_checkpoint={hostile}"))
+    assert not marker.exists(), "unpickling ran the payload"
+
+
+def test_no_load_error_recommends_turning_strictness_off(tiny_salm_dir, tmp_path):
+    state = load_file(str(tiny_salm_dir / "model.safetensors"))
+    del state["llm.model.norm.weight"]
+    ckpt = tmp_path / "weights.safetensors"
+    save_file(state, str(ckpt))
+    with pytest.raises(TargetLoadError) as err:
+        load_target_for_run(_run(tiny_salm_dir, f"model.init_from_checkpoint={ckpt}"))
+    assert "strict=false" not in str(err.value) and "architecture" in str(err.value)

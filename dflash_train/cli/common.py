@@ -13,14 +13,15 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean bad input or configuration, not a bug: each carries a one-line message."""
     from dflash_train.data.conversation import DataError
     from dflash_train.draft.export import DraftExportError
-    from dflash_train.errors import ConfigError, InputFileError, MissingDependencyError
+    from dflash_train.errors import ConfigError, InputFileError, MissingDependencyError, NonFiniteTrainingError
     from dflash_train.evaluate.arguments import UsageError
     from dflash_train.evaluate.report import ReportMismatch
     from dflash_train.target import PlaceholderMismatchError, TargetLoadError
     from dflash_train.target.vllm_export import TargetExportError
 
     return (
-        ConfigError, DataError, DraftExportError, InputFileError, MissingDependencyError, PlaceholderMismatchError,
+        ConfigError, DataError, DraftExportError, InputFileError, MissingDependencyError, NonFiniteTrainingError,
+        PlaceholderMismatchError,
         ReportMismatch, TargetExportError, TargetLoadError, UsageError,
     )
 

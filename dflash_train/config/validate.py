@@ -214,6 +214,10 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(lambda run: run.dflash.lr > 0, lambda run: f"dflash.lr={run.dflash.lr} must be > 0"),
     Rule(
+        lambda run: run.dflash.nonfinite_step_limit >= 1,
+        lambda run: f"dflash.nonfinite_step_limit={run.dflash.nonfinite_step_limit} must be >= 1",
+    ),
+    Rule(
         lambda run: run.dflash.label_source in LABEL_SOURCES,
         lambda run: f"dflash.label_source='{run.dflash.label_source}' is unknown; choose one of {list(LABEL_SOURCES)}",
     ),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -58,13 +59,21 @@ def export_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def write_export(out_dir: str | Path, draft_config, state: dict[str, torch.Tensor]) -> Path:
-    """Write ``config.json`` and ``model.safetensors``; returns the directory."""
+def write_export(
+    out_dir: str | Path, draft_config, state: dict[str, torch.Tensor], training_info: Optional[dict] = None
+) -> Path:
+    """Write ``config.json`` and ``model.safetensors``; returns the directory.
+
+    ``training_info`` (the step the weights represent, the run's provenance) is stored in
+    ``config.json`` under that key, which vLLM ignores.
+    """
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = export_config(draft_config)
+    if training_info is not None:
+        config["training_info"] = training_info
     weights = export_state_dict(state)
     save_file(weights, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))

@@ -120,17 +120,21 @@ def load_draft(path: str, target: FrozenTarget, device: str, dtype: str) -> nn.M
     return draft.to(device=torch.device(device), dtype=torch_dtype(dtype)).eval()
 
 
+def export_training_step(export_dir: str) -> Optional[int]:
+    """The global step a draft export's weights represent (its ``training_info``), ``None`` if it does not say."""
+    from dflash_train.constants import CONFIG_FILE
+    from dflash_train.files import read_json_object
+
+    info = read_json_object(Path(export_dir) / CONFIG_FILE, "point --draft at a draft export").get("training_info")
+    return info.get("global_step") if isinstance(info, dict) else None
+
+
 def weights_digest(export_dir: str) -> str:
     """SHA-256 of a draft export's weights file."""
-    import hashlib
-
     from dflash_train.constants import WEIGHTS_FILE
+    from dflash_train.files import sha256_file
 
-    digest = hashlib.sha256()
-    with open(Path(export_dir) / WEIGHTS_FILE, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return sha256_file(Path(export_dir) / WEIGHTS_FILE)
 
 
 def default_stop_token_ids(prompt_format: ChatMLFormat) -> list[int]:

@@ -185,7 +185,9 @@ class EvalReport:
         def row(label: str, values) -> str:
             return f"{label:24}" + "".join(f"{v:>16}" for v in values)
 
+        steps = s.get("draft_training_steps") or {}
         lines += [
+            row("export at step", [steps.get(n) if steps.get(n) is not None else "?" for n in names]),
             row("MAL (pooled)", [f"{counters[n].mal:.3f}" for n in names]),
             row("draft rounds", [counters[n].rounds for n in names]),
             row("proposed tokens", [counters[n].proposed for n in names]),

@@ -24,6 +24,7 @@ from dflash_train.evaluate.loading import (
     TargetContext,
     TargetSource,
     default_stop_token_ids,
+    export_training_step,
     load_draft,
     load_target_context,
     weights_digest,
@@ -61,6 +62,7 @@ class EvalSettings:
     device: str
     perception_dtype: str = SERVING_PERCEPTION_DTYPE
     draft_sha256: dict[str, str] = field(default_factory=dict)  # name -> weights digest: a re-run uses the same
+    draft_training_steps: dict[str, Optional[int]] = field(default_factory=dict)  # name -> global step of the export
     limit: Optional[int] = None
     sample_ids: Optional[tuple[str, ...]] = None
 
@@ -141,6 +143,7 @@ def prepare(
         device=device,
         perception_dtype=perception_dtype,
         draft_sha256={name: weights_digest(path) for name, path in drafts.items()},
+        draft_training_steps={name: export_training_step(path) for name, path in drafts.items()},
         limit=limit,
         sample_ids=tuple(sample_ids) if sample_ids else None,
     )

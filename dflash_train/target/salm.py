@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 from pathlib import Path
 
 import torch
@@ -198,8 +199,9 @@ def load_salm(model: ModelConfig) -> nn.Module:
             if "state_dict" not in str(err):
                 raise
             raise TargetLoadError(
-                f"SALM checkpoint '{model.pretrained_name}' does not match its config: {err}; "
-                "fix the checkpoint or set model.init_from_checkpoint_strict=false"
+                f"SALM checkpoint '{model.pretrained_name}' does not match its config.json: {err}; check the "
+                "architecture settings in config.json (pretrained_llm, perception, modality adapter) against "
+                "the checkpoint that wrote the weights"
             ) from None
         log.info("target: loaded SALM checkpoint %s", model.pretrained_name)
     if salm.audio_locator_tag != model.audio_locator_tag:
@@ -226,7 +228,15 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise ConfigError(f"model.init_from_checkpoint='{path}' does not exist")
     if path.suffix == ".safetensors":
         return load_file(str(path))
-    checkpoint = torch.load(str(path), map_location="cpu", weights_only=False)
+    try:  # tensors and plain containers only: a pickle someone hands you must not run code
+        checkpoint = torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        blocked = str(err).split("Unsupported global:", 1)[-1].strip().splitlines()[0] if "Unsupported global" in str(
+            err) else type(err).__name__
+        raise TargetLoadError(
+            f"model.init_from_checkpoint='{path}' holds pickled Python objects beyond tensors ({blocked}); loading "
+            "it could run code, so it is refused: save its state_dict as .safetensors and point the key there"
+        ) from None
     return checkpoint.get("state_dict", checkpoint)
 
 
@@ -246,7 +256,8 @@ def load_weights_strictly(module: nn.Module, path: str | Path, strict: bool = Tr
     if strict and (missing or unexpected):
         raise TargetLoadError(
             f"init_from_checkpoint '{path}' does not match the target: missing {_preview(missing)}, "
-            f"unexpected {_preview(unexpected)}; set model.init_from_checkpoint_strict=false to load anyway"
+            f"unexpected {_preview(unexpected)}; check that it was written by a SALM of this architecture "
+            "(model.pretrained_name / model.salm: LLM, perception and adapter settings)"
         )
     module.load_state_dict(state, strict=False)
     log.info(

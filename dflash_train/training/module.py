@@ -11,6 +11,7 @@ block with zero weight when its own batch has no anchor, so collectives always m
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from dflash_train.data.batch import SpeechBatch
 from dflash_train.data.packing import document_layout
 from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE
 from dflash_train.draft.build import DraftSpec, anchor_count_multiple, build_trainer_core
+from dflash_train.errors import ConfigError, NonFiniteTrainingError
 from dflash_train.target.base import FrozenTarget
 from dflash_train.training.metrics import (
     WEIGHT_INDEX,
@@ -37,6 +39,7 @@ from dflash_train.training.target_labels import target_argmax_labels
 log = logging.getLogger(__name__)
 
 SKIP_NO_ANCHOR = "no_valid_anchor"
+IDENTITY_KEY = "dflash_train_identity"  # checkpoint entry: what a resume must agree with
 
 
 @dataclass
@@ -63,6 +66,8 @@ class ModuleSettings:
     optim: OptimSettings = field(default_factory=OptimSettings)
     val_names: list[str] = field(default_factory=lambda: ["val"])
     fsdp_param_dtype: Optional[torch.dtype] = None  # FSDP2 compute/all-gather dtype (BF16 runs); grads reduce in FP32
+    nonfinite_step_limit: int = 3  # non-finite-gradient steps in a row that stop the run
+    target_fingerprint: Optional[str] = None  # SHA-256 of the target's weights file (None: built, not loaded)
     stable_shapes: Optional[bool] = None  # pad lengths and anchor counts to multiples (None: on for flex)
 
     @property
@@ -127,6 +132,10 @@ class DFlashDraftModule(L.LightningModule):
             anchor_multiple=anchor_count_multiple(spec.cfg.block_size) if settings.pads_shapes else None,
         )
         self.skip_counts: Counter[str] = Counter()
+        self._sharded = False  # FSDP2 has sharded the draft (configure_model)
+        self.nonfinite_steps = 0  # optimizer steps not applied for a NaN / infinite gradient
+        self._nonfinite_in_a_row = 0
+        self.grad_norm = float("nan")  # of the last applied step, after normalisation, before clipping
         self._val_stats: dict[str, BlockStats] = {}
         self._window_weight = 0.0  # this rank's Σ w over the current accumulation window
         if settings.projection_only:
@@ -140,6 +149,37 @@ class DFlashDraftModule(L.LightningModule):
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.draft.parameters() if p.requires_grad]
 
+    def run_identity(self) -> dict:
+        """What a checkpoint must agree with to be resumed here: the target's weights, the variant and
+        the set of trainable draft parameters (``projection_only`` changes it)."""
+        trainable = sorted(name for name, p in self.draft.named_parameters() if p.requires_grad)
+        return {
+            "target_weights_sha256": self.settings.target_fingerprint,
+            "variant": self.spec.variant.name,
+            "trainable_parameters": trainable,
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[IDENTITY_KEY] = self.run_identity()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Refuse a checkpoint of another target, variant or trainable set, naming what differs."""
+        saved, ours = checkpoint.get(IDENTITY_KEY), self.run_identity()
+        if saved is None:
+            return  # written before checkpoints recorded their identity
+        for key in ("target_weights_sha256", "variant"):
+            if saved.get(key) != ours[key]:
+                raise ConfigError(
+                    f"the checkpoint to resume was written with {key}={saved.get(key)} but this run has {ours[key]}; "
+                    "point exp_manager at a fresh run directory or set exp_manager.resume_if_exists=false"
+                )
+        if saved.get("trainable_parameters") != ours["trainable_parameters"]:
+            changed = sorted(set(saved.get("trainable_parameters") or []) ^ set(ours["trainable_parameters"]))
+            raise ConfigError(
+                f"the checkpoint to resume trained another set of parameters (differing: {changed[:5]}); "
+                "keep dflash.projection_only as it was, or start a fresh run (exp_manager.resume_if_exists=false)"
+            )
+
     def configure_model(self) -> None:
         """Shard the draft with FSDP2 over the data-parallel mesh (ModelParallelStrategy only).
 
@@ -147,7 +187,7 @@ class DFlashDraftModule(L.LightningModule):
         (half the all-gather traffic) and gradients are reduce-scattered in FP32.
         """
         mesh = getattr(self, "device_mesh", None)
-        if mesh is None or getattr(self, "_sharded", False):
+        if mesh is None or self._sharded:
             return
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -276,12 +316,38 @@ class DFlashDraftModule(L.LightningModule):
         self._window_weight = 0.0
 
     def _finish_window(self, optimizer) -> bool:
-        """Normalise, clip and apply the window's gradients; ``False`` if no rank had a supervised position."""
-        window = torch.as_tensor(self._window_weight, dtype=torch.float64, device=self.device).reshape(1)
-        total = float(all_reduce_sum(window))  # the one host sync the step decision needs
-        self._window_weight = 0.0
+        """Normalise, clip and apply the window's gradients; ``False`` if the step applied nothing.
+
+        One all-reduce carries the window's Σw, a non-finite flag and Σ grad² (sharded grads
+        are summed over ranks, replicated ones counted once), so every rank agrees: a window
+        with no supervised weight, or with a NaN / infinite gradient on any rank, changes no
+        weight and no optimizer state; ``nonfinite_step_limit`` such steps in a row stop the run.
+        """
         params = self.trainable_parameters()
-        if total > 0:
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params) if g is not None]
+        squares = torch.stack([g.double().pow(2).sum() for g in local]).sum() if local else torch.zeros((), dtype=torch.float64, device=self.device)
+        nonfinite = (~torch.isfinite(squares)).double()
+        if not self._sharded:
+            squares = squares / world_size()  # replicated: every rank holds the whole gradient
+        window = torch.as_tensor(self._window_weight, dtype=torch.float64, device=self.device).reshape(())
+        total, bad, squares = all_reduce_sum(torch.stack([window, nonfinite, squares])).tolist()  # the one host sync
+        self._window_weight = 0.0
+        applied = total > 0 and not bad
+        if bad:
+            self.nonfinite_steps += 1
+            self._nonfinite_in_a_row += 1
+            log.warning("step %d: non-finite gradient; the step is not applied (%d in a row)",
+                        self.global_step, self._nonfinite_in_a_row)
+            if self._nonfinite_in_a_row >= self.settings.nonfinite_step_limit:
+                raise NonFiniteTrainingError(
+                    f"{self._nonfinite_in_a_row} optimizer steps in a row had a NaN or infinite gradient "
+                    f"(dflash.nonfinite_step_limit={self.settings.nonfinite_step_limit}); lower dflash.lr, check the "
+                    "data and resume from the last checkpoint"
+                )
+        else:
+            self._nonfinite_in_a_row = 0
+        self.grad_norm = math.sqrt(squares) / total if applied else float("nan")
+        if applied:
             for param in params:
                 if param.grad is not None:
                     param.grad.mul_(1.0 / total)
@@ -295,7 +361,7 @@ class DFlashDraftModule(L.LightningModule):
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        return total > 0
+        return applied
 
     def _log_train(self, sums: torch.Tensor, metrics, inputs: StepInputs, started: float, stepped: bool) -> None:
         """Log this step's sums over all ranks: one all-reduce, one read-back to the host."""
@@ -314,6 +380,8 @@ class DFlashDraftModule(L.LightningModule):
             "train/valid_blocks": total.blocks,
             "train/dflash_skipped_step": 0.0 if stepped else 1.0,
             f"train/skipped/{SKIP_NO_ANCHOR}": no_anchor,
+            "train/skipped/nonfinite": float(self.nonfinite_steps),  # agreed on every rank: not reduced
+            "train/grad_norm": self.grad_norm,
             "train/tokens_per_second": tokens / max(elapsed, 1e-9),
             "train/step_time": elapsed,
             "train/lr": self.optimizers().param_groups[0]["lr"],

@@ -28,6 +28,7 @@ from dflash_train.files import check_writable_directory
 from dflash_train.target import load_target_for_run
 from dflash_train.training.module import DFlashDraftModule, ModuleSettings, OptimSettings
 from dflash_train.training.preemption import PreemptionCheckpoint
+from dflash_train.training.provenance import ProvenanceRecord, target_weights_sha256
 from dflash_train.variants import variant_named
 
 log = logging.getLogger(__name__)
@@ -146,9 +147,11 @@ class ExportOnTrainEnd(Callback):
     preempted run writes no export: it has not finished.
     """
 
-    def __init__(self, out_dir: Path, preemption: Optional[PreemptionCheckpoint] = None):
+    def __init__(self, out_dir: Path, preemption: Optional[PreemptionCheckpoint] = None,
+                 provenance: Optional[ProvenanceRecord] = None):
         self.out_dir = out_dir
         self.preemption = preemption
+        self.provenance = provenance
         self.written: Optional[Path] = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: DFlashDraftModule) -> None:
@@ -157,7 +160,8 @@ class ExportOnTrainEnd(Callback):
         state = full_state_dict(pl_module.draft)  # collective under FSDP2: every rank calls it
         if trainer.is_global_zero:
             with atomic_directory(self.out_dir) as staging:
-                write_export(staging, pl_module.draft.config, state)
+                info = self.provenance.training_info(trainer.global_step) if self.provenance else None
+                write_export(staging, pl_module.draft.config, state, training_info=info)
                 count = verify_export(staging, state)
             log.info("export: wrote %s (%d tensors), reloaded strictly and matched", self.out_dir, count)
         trainer.strategy.barrier("dflash-export")
@@ -353,6 +357,8 @@ def setup_module(run: RunConfig, target, draft, spec: DraftSpec, backend: str, d
         ),
         val_names=list(getattr(datamodule, "val_names", ["val"])),
         fsdp_param_dtype=half,
+        nonfinite_step_limit=run.dflash.nonfinite_step_limit,
+        target_fingerprint=target_weights_sha256(run),
     )
     return DFlashDraftModule(target, draft, spec, settings)
 
@@ -369,8 +375,9 @@ def setup_trainer(run: RunConfig, trainer_kwargs: dict, accelerator: str, paths:
                   half) -> tuple[L.Trainer, RunCallbacks]:
     """The Lightning trainer: precision, strategy, checkpointing, preemption, export, logs."""
     preemption = PreemptionCheckpoint(paths.last_checkpoint, requeue=run.exp_manager.requeue_on_preemption)
-    exporter = ExportOnTrainEnd(paths.export_dir, preemption)
-    extra: list[Callback] = [preemption, exporter, LogResume(paths.resume_from)]
+    provenance = ProvenanceRecord(run, paths.run_dir)
+    exporter = ExportOnTrainEnd(paths.export_dir, preemption, provenance)
+    extra: list[Callback] = [provenance, preemption, exporter, LogResume(paths.resume_from)]
     extra.append(ProgressLog(trainer_kwargs.get("log_every_n_steps") or 50))
     if run.exp_manager.record_sample_ids:
         extra.append(SampleIdLog(paths.run_dir / "sample_ids"))
@@ -426,6 +433,13 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
         validate_data_config(run.data)  # data paths and formats, before any weight loads
         datamodule_factory = build_datamodule
     paths = RunPaths.of(run)
+    if paths.resume_from is not None and run.dflash.init_from_pretrained:
+        log.warning(
+            "resuming from %s: its weights replace dflash.init_from_pretrained=%s (the warm start only seeds a fresh "
+            "run; set exp_manager.resume_if_exists=false to start over from it)",
+            paths.resume_from,
+            run.dflash.init_from_pretrained,
+        )
     L.seed_everything(run.seed, workers=True)
 
     target, spec, half = setup_target(run)

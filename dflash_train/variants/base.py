@@ -42,6 +42,7 @@ class DFlashConfig:
     use_fused_linear_ce: bool = False
     attention_backend: Optional[str] = None
     gradient_checkpointing: bool = False
+    nonfinite_step_limit: int = 3
     draft_model_config: dict = field(default_factory=dict)
 
 
