@@ -325,7 +325,9 @@ class DFlashDraftModule(L.LightningModule):
         """
         params = self.trainable_parameters()
         local = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params) if g is not None]
-        squares = torch.stack([g.double().pow(2).sum() for g in local]).sum() if local else torch.zeros((), dtype=torch.float64, device=self.device)
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for grad in local:
+            squares = squares + grad.double().pow(2).sum()
         nonfinite = (~torch.isfinite(squares)).double()
         if not self._sharded:
             squares = squares / world_size()  # replicated: every rank holds the whole gradient
@@ -336,8 +338,11 @@ class DFlashDraftModule(L.LightningModule):
         if bad:
             self.nonfinite_steps += 1
             self._nonfinite_in_a_row += 1
-            log.warning("step %d: non-finite gradient; the step is not applied (%d in a row)",
-                        self.global_step, self._nonfinite_in_a_row)
+            log.warning(
+                "step %d: non-finite gradient; the step is not applied (%d in a row)",
+                self.global_step,
+                self._nonfinite_in_a_row,
+            )
             if self._nonfinite_in_a_row >= self.settings.nonfinite_step_limit:
                 raise NonFiniteTrainingError(
                     f"{self._nonfinite_in_a_row} optimizer steps in a row had a NaN or infinite gradient "
