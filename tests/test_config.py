@@ -98,6 +98,7 @@ def test_dflash_group_selects_the_variant_schema():
         (["dflash.loss_decay_gamma=0"], "dflash.loss_decay_gamma=0.0 must be > 0"),
         (["dflash.num_anchors=0"], "dflash.num_anchors=0 must be >= 1"),
         (["dflash.lr=0"], "dflash.lr=0.0 must be > 0"),
+        (["dflash.nonfinite_step_limit=0"], "dflash.nonfinite_step_limit=0 must be >= 1"),
         (["dflash.draft_num_hidden_layers=0"], "dflash.draft_num_hidden_layers=0 must be >= 1"),
         (["dflash.target_layer_ids=[2,2]"], "repeats a layer"),
         (["dflash.target_layer_ids=[]"], "dflash.target_layer_ids is empty"),
