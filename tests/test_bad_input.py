@@ -247,3 +247,16 @@ def test_dflash_train_fails_cleanly_on_each_broken_input(broken, tmp_path, row, 
     assert err and "error: " in err[-1] and str(named(broken)) in err[-1], f"{row}: {err[-3:]}"
     assert "Traceback" not in proc.stderr
     assert not _out(tmp_path).exists() or not any(_out(tmp_path).rglob("*.safetensors")), f"{row}: wrote an export"
+
+
+def test_export_target_never_replaces_a_directory_it_did_not_write(broken, tmp_path):
+    from dflash_train.cli import export_target
+
+    foreign = tmp_path / "serve"
+    foreign.mkdir()
+    (foreign / "model_card.md").write_text("someone else's")
+    assert export_target.main([str(broken["target"]), str(foreign)]) == 2
+    assert [p.name for p in foreign.iterdir()] == ["model_card.md"]
+    fresh = tmp_path / "fresh"
+    assert export_target.main([str(broken["target"]), str(fresh)]) == 0
+    assert export_target.main([str(broken["target"]), str(fresh)]) == 0  # its own earlier export is replaced

@@ -86,6 +86,8 @@ def export_target(src: str | Path, out: str | Path) -> Path:
     if src.is_dir() and (not (src / CONFIG_FILE).exists() or not (src / WEIGHTS_FILE).exists()):
         raise TargetExportError(f"'{src}' is not a SALM checkpoint: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
     check_salm_checkpoint(src, "SOURCE")  # complete weights, parseable config: checked before anything is written
+    if out != src:
+        _check_replaceable(out)
     cfg = json.loads((src / CONFIG_FILE).read_text())
     if cfg.get("audio_locator_tag") != AUDIO_LOCATOR_TAG:
         raise TargetExportError(
@@ -122,6 +124,23 @@ def export_target(src: str | Path, out: str | Path) -> Path:
         tokenizer.save_pretrained(staging)
         (staging / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def _check_replaceable(out: Path) -> None:
+    """``out`` is new, empty, or a target this command wrote before: the export replaces it whole, so
+    a directory holding anything else is refused rather than deleted."""
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    config = out / CONFIG_FILE
+    try:
+        ours = json.loads(config.read_text()).get("architectures") == [SALM_ARCHITECTURE]
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if not ours:
+        raise TargetExportError(
+            f"'{out}' exists and is not a vLLM-ready target written by dflash-export-target; the export replaces "
+            "its directory whole, so choose a new or empty OUT"
+        )
 
 
 def _link_weights_copy_the_rest(source: str, destination: str) -> None:
