@@ -241,3 +241,87 @@ def test_serving_prompts_match_training_tokens_up_to_the_reply(tiny_salm_dir, de
         (cut,) = conversation.audio_cuts
         assert request.audios[0].dtype == np.float32
         assert request.audios[0].shape == (round(cut.duration * SAMPLE_RATE),)
+
+
+# --- the MTP route's checkpoint rules and hook installation, without vLLM ---------------------------
+
+
+def test_an_mtp_block_is_served_only_when_enabled_and_repeated():
+    from dflash_train.vllm_plugin.mtp import MTPConfigError, SpeechLMMTP
+
+    assert SpeechLMMTP.from_block(None) is None
+    assert SpeechLMMTP.from_block({"enabled": False, "num_nextn_predict_layers": 3}) is None
+    assert SpeechLMMTP.from_block({"enabled": True}) == SpeechLMMTP(1, False, "*")
+    repeated = {"enabled": True, "num_nextn_predict_layers": 4, "use_repeated_layer": True, "hybrid_override_pattern": "*E"}
+    assert SpeechLMMTP.from_block(repeated) == SpeechLMMTP(4, True, "*E")
+    with pytest.raises(MTPConfigError, match=r"num_nextn_predict_layers=4 distinct heads .*use_repeated_layer: true"):
+        SpeechLMMTP.from_block({**repeated, "use_repeated_layer": False})
+    for pattern in ("M", "*-", ""):
+        with pytest.raises(MTPConfigError, match="mtp.hybrid_override_pattern"):
+            SpeechLMMTP.from_block({**repeated, "hybrid_override_pattern": pattern})
+    with pytest.raises(MTPConfigError, match="num_nextn_predict_layers must be an integer"):
+        SpeechLMMTP.from_block({"enabled": True, "num_nextn_predict_layers": 0})
+
+
+def test_mtp_weights_are_renamed_padded_and_split_for_vllm():
+    import torch
+
+    from dflash_train.vllm_plugin.mtp import MTPConfigError, mtp_checkpoint_weights
+
+    embedding, experts = torch.randn(5, 4), torch.randn(3, 4, 6)
+    checkpoint = [
+        ("perception.encoder.w", torch.zeros(1)),
+        ("llm.model.layers.0.mixer.q_proj.weight", torch.zeros(1)),
+        ("llm.lm_head.weight", torch.zeros(5, 4)),
+        ("llm.model.embed_tokens.weight", embedding),
+        ("llm.mtp.layers.0.eh_proj.weight", torch.ones(4, 8)),
+        ("llm.mtp.layers.0.mixer._extra_state", torch.zeros(1)),
+        ("llm.mtp.layers.1.mixer.experts.down_projs", experts),
+    ]
+    out = dict(mtp_checkpoint_weights(checkpoint, vocab_size=7, modules_per_step=2))
+    assert set(out) == {
+        "backbone.embeddings.weight",
+        "mtp.layers.0.eh_proj.weight",
+        *(f"mtp.layers.1.mixer.experts.{e}.down_proj.weight" for e in range(3)),
+    }
+    assert torch.equal(out["backbone.embeddings.weight"][:5], embedding)
+    assert out["backbone.embeddings.weight"].shape == (7, 4) and not out["backbone.embeddings.weight"][5:].any()
+    assert torch.equal(out["mtp.layers.1.mixer.experts.2.down_proj.weight"], experts[2].t())
+    with pytest.raises(MTPConfigError, match="second MTP step.*use_repeated_layer: true"):
+        dict(mtp_checkpoint_weights([("llm.mtp.layers.2.norm.weight", torch.ones(4))], 7, modules_per_step=2))
+
+
+def test_a_qwen3_backbone_gets_a_nemotron_h_mtp_step_of_its_own_shape():
+    from transformers import Qwen3Config
+
+    from dflash_train.vllm_plugin.mtp import SpeechLMMTP
+
+    qwen = Qwen3Config(vocab_size=394, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                       num_hidden_layers=6, rms_norm_eps=1e-6)
+    draft = SpeechLMMTP(2, True, "*").draft_text_config(qwen)
+    assert draft.model_type == "nemotron_h" and draft.mtp_hybrid_override_pattern == "*"
+    assert (draft.vocab_size, draft.hidden_size, draft.num_attention_heads, draft.num_key_value_heads) == (394, 64, 2, 1)
+    assert (draft.head_dim, draft.layer_norm_epsilon, draft.num_hidden_layers) == (32, 1e-6, 6)
+    assert draft.num_nextn_predict_layers == 1
+
+
+def test_installing_the_hook_is_idempotent_and_keeps_the_first_hook(monkeypatch):
+    from typing import Literal, get_args
+
+    from dflash_train.vllm_plugin import mtp
+
+    def vllms_hook(config):
+        return ("native", config)
+
+    class SpeculativeConfig:
+        hf_config_override = staticmethod(vllms_hook)
+
+    module = SimpleNamespace(MTPModelTypes=Literal["deepseek_mtp"], SpeculativeConfig=SpeculativeConfig)
+    monkeypatch.setattr(mtp, "_native_hook", None)
+    assert mtp.install(module) is True
+    assert get_args(module.MTPModelTypes) == ("deepseek_mtp", mtp.MTP_MODEL_TYPE)
+    assert SpeculativeConfig.hf_config_override is mtp.speechlm_mtp_hf_config_override
+    assert mtp.install(module) is False
+    assert get_args(module.MTPModelTypes) == ("deepseek_mtp", mtp.MTP_MODEL_TYPE)
+    other = SimpleNamespace(model_type="qwen3")
+    assert SpeculativeConfig.hf_config_override(other) == ("native", other)

@@ -8,10 +8,14 @@ of group ``vllm.general_plugins``; vLLM calls it in every process that builds an
   ``config.json`` (NeMo's own plugin keeps ``NeMoSpeechLMForConditionalGeneration``, so the
   result does not depend on which plugin vLLM runs first);
 - aliases training-time draft class names to vLLM's ``DFlashDraftModel`` / ``DFlash2DraftModel``;
+- opens the MTP route (:mod:`dflash_train.vllm_plugin.mtp`): registers the SpeechLM MTP draft
+  :data:`~dflash_train.vllm_plugin.mtp.MTP_ARCHITECTURE` and extends vLLM's draft-config hook so
+  ``{"method": "mtp"}`` on a SpeechLM checkpoint with MTP heads builds it;
 - works around other packages' bugs on the versions we serve with (:mod:`dflash_train.vllm_plugin.compat`).
 
 The rest of ``dflash_train`` never imports vLLM; this package imports it only inside
-:func:`register` and in :mod:`dflash_train.vllm_plugin.salm`, which vLLM loads lazily.
+:func:`register` and in :mod:`dflash_train.vllm_plugin.salm` and :mod:`dflash_train.vllm_plugin.salm_mtp`,
+which vLLM loads lazily.
 """
 
 from __future__ import annotations
@@ -45,11 +49,16 @@ def register() -> None:
     except ImportError as err:
         log.warning("dflash_train: NeMo's SALM vLLM support is not importable (%s); SALM targets unavailable", err)
         return
+    import vllm.config.speculative as speculative
+
+    from dflash_train.vllm_plugin import mtp
     from dflash_train.vllm_plugin.compat import per_layer_context_k_norm_on_cpu, shield_llvmlite_from_kernel_scan
 
     # NeMo's register() is idempotent: it maps model type nemo_speechlm to NeMo's config class.
     register_nemo_salm_config()
     ModelRegistry.register_model(SALM_ARCHITECTURE, SALM_MODEL_CLASS)
+    ModelRegistry.register_model(mtp.MTP_ARCHITECTURE, mtp.MTP_MODEL_CLASS)
+    mtp.install(speculative)
     shield_llvmlite_from_kernel_scan()
     if per_layer_context_k_norm_on_cpu():
         log.info("dflash_train: vLLM-CPU DFlash context K-norm made per layer (its rms_norm kernel uses row 0 only)")

@@ -11,12 +11,14 @@ stated on it:
 - the audio placeholder id as ``config.image_token_index``, where vLLM's speculative loader
   reads a multimodal target's placeholder id (vLLM 0.32: ``LLMBaseProposer.load_model``);
 - NeMo's multimodal processor on vLLM >= 0.32's token-id API (see
-  :class:`TokenIdAudioProcessor`); older vLLM keeps NeMo's processor unchanged.
+  :class:`TokenIdAudioProcessor`); older vLLM keeps NeMo's processor unchanged;
+- a checkpoint's MTP weights (``llm.mtp.*``) are left to the MTP draft
+  (:mod:`dflash_train.vllm_plugin.salm_mtp`): NeMo 3.0.0 would hand them to the LLM loader.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import vllm
@@ -38,6 +40,7 @@ from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 from vllm.tokenizers.registry import cached_tokenizer_from_config
 
 from dflash_train.vllm_plugin.backbone import require_aux_hidden_states
+from dflash_train.vllm_plugin.mtp import MTP_WEIGHT_PREFIX
 
 # vLLM 0.32 tokenizes prompts before multimodal processing (vLLM PRs #53093, #53275, #53610):
 # ``_call_hf_processor`` receives only the multimodal data, and prompt updates are matched on
@@ -118,3 +121,7 @@ class DFlashSALMForConditionalGeneration(NeMoSpeechLMForConditionalGeneration, S
     def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
         """The backbone's default aux layers (used only when the draft config names none)."""
         return require_aux_hidden_states(self.language_model).get_eagle3_default_aux_hidden_state_layers()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """NeMo's loading of the SALM weights, without the MTP heads (the draft model loads those)."""
+        return super().load_weights((name, tensor) for name, tensor in weights if not name.startswith(MTP_WEIGHT_PREFIX))

@@ -105,6 +105,16 @@ def validation_requests(
     return requests
 
 
+def speculative_config(draft: str | Path | None, num_speculative_tokens: Optional[int]) -> Optional[dict]:
+    """vLLM's ``speculative_config``: a DFlash draft export, the target's MTP heads (K only), or none."""
+    if draft is not None:
+        k = num_speculative_tokens if num_speculative_tokens is not None else draft_speculative_tokens(draft)
+        return {"method": "dflash", "model": str(draft), "num_speculative_tokens": k}
+    if num_speculative_tokens is not None:
+        return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
+    return None
+
+
 def serve(
     target: str | Path,
     requests: Sequence[Request],
@@ -113,21 +123,23 @@ def serve(
     num_speculative_tokens: Optional[int] = None,
     **engine_args,
 ) -> ServingRun:
-    """Greedy-decode ``requests`` on a fresh in-process engine; with ``draft``, speculatively (method dflash).
+    """Greedy-decode ``requests`` on a fresh in-process engine, speculatively when asked.
 
-    The engine is shut down before returning, so runs can follow each other in one process.
-    Spec-decode counters are measured as the difference of snapshots around the run.
+    With ``draft``, method dflash (K defaults to the export's ``block_size - 1``); with only
+    ``num_speculative_tokens``, method mtp (the target's own MTP heads). The engine is shut down
+    before returning, so runs can follow each other in one process. Spec-decode counters are
+    measured as the difference of snapshots around the run.
     """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
     args = {**CPU_ENGINE_ARGS, **engine_args}
-    if draft is not None:
-        k = num_speculative_tokens if num_speculative_tokens is not None else draft_speculative_tokens(draft)
-        args["speculative_config"] = {"method": "dflash", "model": str(draft), "num_speculative_tokens": k}
+    speculative = speculative_config(draft, num_speculative_tokens)
+    if speculative is not None:
+        args["speculative_config"] = speculative
     llm = LLM(model=str(target), **args)
     try:
-        before = SpecDecodeSnapshot.from_metrics(llm.get_metrics()) if draft is not None else None
+        before = SpecDecodeSnapshot.from_metrics(llm.get_metrics()) if speculative is not None else None
         prompts = [
             {"prompt": r.prompt, "multi_modal_data": {"audio": [(a, SAMPLE_RATE) for a in r.audios]}}
             for r in requests

