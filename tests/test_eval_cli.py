@@ -165,7 +165,8 @@ def test_eval_errors_are_one_line(tiny_salm_dir, tiny_target, cuts_copy, tmp_pat
         (_eval_args(tmp_path / "nowhere", cuts, "--draft", str(bad_taps)), "is not a SALM checkpoint directory"),
         (_eval_args(tiny_salm_dir, cuts, "--draft", str(bad_taps)), "target_layer_ids [7] outside the target's 6"),
         (_eval_args(tiny_salm_dir, cuts, "--draft", str(tmp_path)), "is not a draft export"),
-        (_eval_args(tiny_salm_dir, cuts), "--draft is required"),
+        (_eval_args(tiny_salm_dir, cuts), "--draft (a draft export directory) or --mtp"),
+        (_eval_args(tiny_salm_dir, cuts, "--mtp"), "has no mtp block with enabled: true"),
     ]
     for args, message in cases:
         assert eval_cli.main(args) == eval_cli.EXIT_USAGE

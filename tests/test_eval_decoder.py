@@ -86,7 +86,7 @@ class TargetOracle:
         self.wrong_at = wrong_at  # round -> proposal index made wrong on purpose (None: all right)
         self.rounds = 0
 
-    def start(self, prompt_embeds, features):
+    def start(self, prompt_embeds, prefill):
         self.session = TargetSession(self.target)
         self.session.prefill(prompt_embeds)
 
@@ -103,7 +103,7 @@ class TargetOracle:
         self.rounds += 1
         return tokens
 
-    def extend(self, token_ids, features):
+    def extend(self, token_ids, verified):
         self.session.extend(token_ids)
 
 
@@ -119,8 +119,8 @@ def _check_bookkeeping(decoded, k, max_new):
 class RecordingProposer(DraftProposer):
     """The real proposer, keeping each round's bonus position and proposals."""
 
-    def start(self, prompt_embeds, features):
-        super().start(prompt_embeds, features)
+    def start(self, prompt_embeds, prefill):
+        super().start(prompt_embeds, prefill)
         self.prompt_length, self.proposals = prompt_embeds.shape[1], []
 
     def propose(self, bonus, position):
@@ -189,9 +189,9 @@ def test_partial_acceptance_is_counted_exactly_and_stays_greedy_equal(tiny_targe
 class ContextRecomputingProposer(DraftProposer):
     """The same draft without a KV cache: each round re-reads every verified feature from position 0."""
 
-    def start(self, prompt_embeds, features):
-        super().start(prompt_embeds, features)
-        self.verified = features
+    def start(self, prompt_embeds, prefill):
+        super().start(prompt_embeds, prefill)
+        self.verified = prefill.features
 
     @torch.no_grad()
     def propose(self, bonus, position):
@@ -207,8 +207,8 @@ class ContextRecomputingProposer(DraftProposer):
         logits = self.draft.compute_logits(hidden, self.target.lm_head).float()
         return self.variant.propose(self.draft, hidden, logits, bonus)
 
-    def extend(self, token_ids, features):
-        self.verified = torch.cat([self.verified, features])
+    def extend(self, token_ids, verified):
+        self.verified = torch.cat([self.verified, verified.features])
 
 
 @pytest.fixture(scope="module")

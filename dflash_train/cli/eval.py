@@ -52,8 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
         "and limits (e.g. the draft before adaptation)",
     )
     drafts.add_argument(
+        "--mtp",
+        action="store_true",
+        help="also (or, without --draft, only) evaluate the MTP heads stored in the --target checkpoint, as vLLM's "
+        "method 'mtp' serves them",
+    )
+    drafts.add_argument(
         "--num-speculative-tokens", "-k", type=int,
-        help="K, proposals per round (default: block_size - 1, as served)",
+        help="K, proposals per round (default: block_size - 1 for a draft, the trained head count for --mtp)",
     )
     add_data_arguments(parser)
     add_decoding_arguments(parser, max_new_tokens=128)
@@ -72,18 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace):
     from dflash_train.evaluate.report import EvalReport
-    from dflash_train.evaluate.run import BASELINE, DRAFT, evaluate, prepare, rerun_failed
+    from dflash_train.evaluate.run import BASELINE, DRAFT, MTP, TARGET_MTP_HEADS, evaluate, prepare, rerun_failed
 
     if args.rerun_failed:
-        own = ("target", "config_name", "draft", "baseline", "cuts", "manifest")
+        own = ("target", "config_name", "draft", "baseline", "mtp", "cuts", "manifest")
         given = [flag for flag in own if getattr(args, flag)]
         if given:
             raise UsageError(f"--rerun-failed takes its settings from the report; drop --{given[0].replace('_', '-')}")
         report = rerun_failed(EvalReport.read_json(args.rerun_failed))
         return report, Path(args.json or args.rerun_failed)
-    if not args.draft:
-        raise UsageError("--draft is required (a draft export directory)")
-    drafts = {DRAFT: args.draft, **({BASELINE: args.baseline} if args.baseline else {})}
+    if not args.draft and not args.mtp:
+        raise UsageError("--draft (a draft export directory) or --mtp (the target's own MTP heads) is required")
+    drafts = {DRAFT: args.draft} if args.draft else {}
+    drafts.update({**({BASELINE: args.baseline} if args.baseline else {}), **({MTP: TARGET_MTP_HEADS} if args.mtp else {})})
     settings, loaded = prepare(
         target_source(args),
         drafts,

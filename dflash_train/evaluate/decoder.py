@@ -29,7 +29,7 @@ from typing import Protocol, Sequence
 import torch
 from torch import nn
 
-from dflash_train.evaluate.session import TargetSession, crop_cache
+from dflash_train.evaluate.session import StepOutput, TargetSession, crop_cache
 from dflash_train.target import FrozenTarget
 from dflash_train.variants import variant_for_architecture
 
@@ -72,14 +72,14 @@ class Proposer(Protocol):
 
     num_speculative_tokens: int
 
-    def start(self, prompt_embeds: torch.Tensor, features: torch.Tensor) -> None:
-        """A new request: the prompt's embeddings ``[1, S, H]`` and tapped features ``[S, F]``."""
+    def start(self, prompt_embeds: torch.Tensor, prefill: StepOutput) -> None:
+        """A new request: the prompt's embeddings ``[1, S, H]`` and what the target computed for it."""
 
     def propose(self, bonus: int, position: int) -> list[int]:
         """K proposals following ``bonus``, which sits at ``position``."""
 
-    def extend(self, token_ids: Sequence[int], features: torch.Tensor) -> None:
-        """Tokens just verified (the bonus and the accepted proposals) and their features ``[n, F]``."""
+    def extend(self, token_ids: Sequence[int], verified: StepOutput) -> None:
+        """Tokens just verified (the bonus and the accepted proposals) and the target's output for them."""
 
 
 def greedy_decode(session: TargetSession, prompt_embeds: torch.Tensor, rule: StopRule) -> Decoded:
@@ -101,7 +101,7 @@ def speculative_decode(
     bonus = int(step.logits[-1].argmax())
     if out.append([bonus], rule):
         return out
-    proposer.start(prompt_embeds, step.features)
+    proposer.start(prompt_embeds, step)
     position = prompt_embeds.shape[1]
     while True:
         drafts = proposer.propose(bonus, position)
@@ -114,7 +114,7 @@ def speculative_decode(
             accepted += 1
         out.accepted_per_round.append(accepted)
         session.crop(position + accepted + 1)
-        proposer.extend([bonus, *drafts[:accepted]], step.features[: accepted + 1])
+        proposer.extend([bonus, *drafts[:accepted]], step.first(accepted + 1))
         position += accepted + 1
         bonus = greedy[accepted]
         if out.append([*drafts[:accepted], bonus], rule):
@@ -145,11 +145,11 @@ class DraftProposer:
         self._cache = None
         self._pending: torch.Tensor | None = None
 
-    def start(self, prompt_embeds: torch.Tensor, features: torch.Tensor) -> None:
+    def start(self, prompt_embeds: torch.Tensor, prefill: StepOutput) -> None:
         from transformers import DynamicCache
 
         self._cache = DynamicCache(config=self.draft.config)
-        self._pending = features
+        self._pending = prefill.features
 
     @torch.no_grad()
     def propose(self, bonus: int, position: int) -> list[int]:
@@ -170,5 +170,52 @@ class DraftProposer:
         logits = self.draft.compute_logits(hidden, self.target.lm_head).float()
         return self.variant.propose(self.draft, hidden, logits, bonus)
 
-    def extend(self, token_ids: Sequence[int], features: torch.Tensor) -> None:
-        self._pending = features
+    def extend(self, token_ids: Sequence[int], verified: StepOutput) -> None:
+        self._pending = verified.features
+
+
+class MTPProposer:
+    """The target's own MTP step, repeated for every draft position, as vLLM's MTP proposer runs it.
+
+    Every verified position *i* has one cached entry of the step, made from the embedding of
+    token *i + 1* (an audio frame's at audio positions) and the target's final hidden state at
+    *i*; an entry needs the next token, so the newest verified position waits for the bonus.
+    A round computes the waiting entries (the last one proposes ``d_1``), then runs the step on
+    its own output K - 1 times (``d_2 .. d_K``); those draft entries are dropped afterwards.
+    """
+
+    def __init__(self, step: nn.Module, target: FrozenTarget, num_speculative_tokens: int):
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
+        self.step = step.eval()
+        self.target = target
+        self.num_speculative_tokens = num_speculative_tokens
+        self._cache = None
+        self._hidden: torch.Tensor | None = None  # target hidden states of positions without an entry yet
+        self._next_embeds: torch.Tensor | None = None  # embeddings of the tokens after them, bar the last
+
+    def _embed(self, token_ids: Sequence[int]) -> torch.Tensor:
+        device = self.target.embed_tokens.weight.device
+        return self.target.embed_tokens(torch.tensor(list(token_ids), dtype=torch.long, device=device))
+
+    def start(self, prompt_embeds: torch.Tensor, prefill: StepOutput) -> None:
+        self._cache = self.step.new_cache()
+        self._hidden = prefill.hidden
+        self._next_embeds = prompt_embeds[0, 1:]
+
+    @torch.no_grad()
+    def propose(self, bonus: int, position: int) -> list[int]:
+        dtype = self.step.eh_proj.weight.dtype
+        embeds = torch.cat([self._next_embeds, self._embed([bonus])]).to(dtype)
+        out = self.step(embeds, self._hidden.to(dtype), self._cache)[-1:]
+        drafts = [int(self.target.lm_head(out).argmax(dim=-1))]
+        while len(drafts) < self.num_speculative_tokens:
+            out = self.step(self._embed(drafts[-1:]).to(dtype), out, self._cache)
+            drafts.append(int(self.target.lm_head(out).argmax(dim=-1)))
+        for layer_cache in self._cache:
+            layer_cache.crop(position)  # entries of verified positions only
+        return drafts
+
+    def extend(self, token_ids: Sequence[int], verified: StepOutput) -> None:
+        self._hidden = verified.hidden
+        self._next_embeds = self._embed(token_ids[1:])

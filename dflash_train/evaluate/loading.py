@@ -19,6 +19,7 @@ from dflash_train.data.estimator import AudioTokenEstimator
 from dflash_train.data.prompt import ChatMLFormat, build_prompt_format
 from dflash_train.errors import ConfigError
 from dflash_train.target import FrozenTarget, SALMTarget, load_salm
+from dflash_train.target.audio import AudioLLM
 from dflash_train.target.salm import check_salm_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,11 +92,20 @@ def torch_dtype(name: str, option: str = "--dtype") -> torch.dtype:
     return DTYPES[name]
 
 
-def load_target(
-    model: ModelConfig, device: str, dtype: str, perception_dtype: Optional[str] = None
-) -> SALMTarget:
-    """The frozen SALM target on ``device`` in ``dtype``; its perception in ``perception_dtype`` if given."""
-    target = SALMTarget(load_salm(model)).to(device=torch.device(device), dtype=torch_dtype(dtype))
+def load_target(model: ModelConfig, device: str, dtype: str, perception_dtype: Optional[str] = None) -> AudioLLM:
+    """The frozen speech target on ``device`` in ``dtype``; its perception in ``perception_dtype`` if given.
+
+    A checkpoint whose LLM backbone is Nemotron-H (NeMo's SpeechLM MTP checkpoints, which NeMo's
+    ``SALM`` cannot build) is read from its files; every other target is NeMo's ``SALM``.
+    """
+    from dflash_train.target.nemotron_h import NEMOTRON_H, NemotronHSpeechLMTarget, backbone_model_type
+
+    name = model.pretrained_name
+    if name is not None and Path(name).is_dir() and backbone_model_type(name) == NEMOTRON_H:
+        target = NemotronHSpeechLMTarget.from_checkpoint(name)
+    else:
+        target = SALMTarget(load_salm(model))
+    target = target.to(device=torch.device(device), dtype=torch_dtype(dtype))
     if perception_dtype is not None:
         target.run_perception_in(torch_dtype(perception_dtype, "--perception-dtype"))
     return target
@@ -118,6 +128,18 @@ def load_draft(path: str, target: FrozenTarget, device: str, dtype: str) -> nn.M
     if problems:
         raise ConfigError(f"draft '{path}' does not fit the target: {'; '.join(problems)}")
     return draft.to(device=torch.device(device), dtype=torch_dtype(dtype)).eval()
+
+
+def load_mtp_heads(checkpoint: Optional[str], target: FrozenTarget, device: str, dtype: str) -> tuple[nn.Module, int]:
+    """The target's own MTP step (a SpeechLM checkpoint with an ``mtp`` block) and its trained head count."""
+    from dflash_train.draft.mtp import MTPStep
+
+    if checkpoint is None or not Path(checkpoint).is_dir():
+        raise ConfigError("--mtp evaluates the MTP heads stored in the target checkpoint: give it with --target DIR")
+    step, heads = MTPStep.from_checkpoint(checkpoint)
+    if step.eh_proj.weight.shape[0] != target.hidden_size:
+        raise ConfigError(f"the MTP heads of {checkpoint} are {step.eh_proj.weight.shape[0]} wide, the LLM {target.hidden_size}")
+    return step.to(device=torch.device(device), dtype=torch_dtype(dtype)).eval(), heads
 
 
 def export_training_step(export_dir: str) -> Optional[int]:
@@ -160,7 +182,7 @@ def recipe_input(recipe: RunConfig, split: str) -> InputConfig:
 class TargetContext:
     """The loaded target with its data-side settings resolved: explicit flags first, then the recipe's."""
 
-    target: SALMTarget
+    target: AudioLLM
     model: ModelConfig
     prompt_format: ChatMLFormat
     estimator: AudioTokenEstimator

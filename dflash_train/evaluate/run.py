@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from dflash_train.config.schema import InputConfig
+from dflash_train.draft.mtp import MTPStep
 from dflash_train.errors import ConfigError
-from dflash_train.evaluate.decoder import Decoded, DraftProposer, StopRule, speculative_decode
+from dflash_train.evaluate.decoder import Decoded, DraftProposer, MTPProposer, StopRule, speculative_decode
 from dflash_train.evaluate.loading import (
     SERVING_PERCEPTION_DTYPE,
     TargetContext,
@@ -26,6 +27,7 @@ from dflash_train.evaluate.loading import (
     default_stop_token_ids,
     export_training_step,
     load_draft,
+    load_mtp_heads,
     load_target_context,
     weights_digest,
 )
@@ -44,6 +46,9 @@ log = logging.getLogger(__name__)
 
 DRAFT = "draft"
 BASELINE = "baseline"
+MTP = "mtp"
+TARGET_MTP_HEADS = "(the target's MTP heads)"
+"""The export path recorded for the MTP heads stored in the target checkpoint itself (``dflash-eval --mtp``)."""
 
 
 @dataclass(frozen=True)
@@ -122,12 +127,17 @@ def prepare(
     context = load_target_context(
         target, data, "validation", prompt_format, system_prompt, dtype, device, perception_dtype
     )
-    loaded_drafts = {name: load_draft(path, context.target, device, dtype) for name, path in drafts.items()}
+    loaded_drafts, served_k = {}, {}
+    for name, path in drafts.items():
+        if path == TARGET_MTP_HEADS:
+            loaded_drafts[name], served_k[name] = load_mtp_heads(context.checkpoint(), context.target, device, dtype)
+        else:
+            loaded_drafts[name] = load_draft(path, context.target, device, dtype)
+            served_k[name] = int(loaded_drafts[name].block_size) - 1
     if num_speculative_tokens is None:
-        block_sizes = {name: int(d.block_size) for name, d in loaded_drafts.items()}
-        if len(set(block_sizes.values())) != 1:
-            raise ConfigError(f"the drafts have different block sizes {block_sizes}; pass --num-speculative-tokens")
-        num_speculative_tokens = next(iter(block_sizes.values())) - 1
+        if len(set(served_k.values())) != 1:
+            raise ConfigError(f"the drafts serve different K {served_k}; pass --num-speculative-tokens")
+        num_speculative_tokens = next(iter(served_k.values()))
     if num_speculative_tokens < 1:
         raise ConfigError(f"--num-speculative-tokens {num_speculative_tokens} must be >= 1")
     settings = EvalSettings(
@@ -142,12 +152,19 @@ def prepare(
         dtype=dtype,
         device=device,
         perception_dtype=perception_dtype,
-        draft_sha256={name: weights_digest(path) for name, path in drafts.items()},
-        draft_training_steps={name: export_training_step(path) for name, path in drafts.items()},
+        draft_sha256={name: weights_digest(_weights_of(path, context)) for name, path in drafts.items()},
+        draft_training_steps={
+            name: None if path == TARGET_MTP_HEADS else export_training_step(path) for name, path in drafts.items()
+        },
         limit=limit,
         sample_ids=tuple(sample_ids) if sample_ids else None,
     )
     return settings, Loaded(context, loaded_drafts)
+
+
+def _weights_of(path: str, context: TargetContext) -> str:
+    """The directory whose weights a draft's numbers depend on: the export, or the target for its MTP heads."""
+    return context.checkpoint() if path == TARGET_MTP_HEADS else path
 
 
 def reload(settings: EvalSettings) -> Loaded:
@@ -155,7 +172,12 @@ def reload(settings: EvalSettings) -> Loaded:
 
     A draft export whose weights changed since is an error: its numbers would not pool.
     """
-    changed = [name for name, sha in settings.draft_sha256.items() if weights_digest(settings.drafts[name]) != sha]
+    target_dir = settings.target.checkpoint
+    changed = [
+        name
+        for name, sha in settings.draft_sha256.items()
+        if weights_digest(target_dir if settings.drafts[name] == TARGET_MTP_HEADS else settings.drafts[name]) != sha
+    ]
     if changed:
         raise ConfigError(f"the weights of draft(s) {changed} changed since the report was written; evaluate anew")
     _, loaded = prepare(
@@ -188,8 +210,11 @@ def evaluate_request(settings: EvalSettings, loaded: Loaded, request: EvalReques
     reference, reference_text = greedy_reply(target, prompt_format, embeds, rule)
     outputs = {}
     for name, draft in loaded.drafts.items():
-        proposer = DraftProposer(draft, target, settings.num_speculative_tokens)
-        decoded = speculative_decode(TargetSession(target, draft.target_layer_ids), proposer, embeds, rule)
+        if isinstance(draft, MTPStep):
+            proposer, layer_ids = MTPProposer(draft, target, settings.num_speculative_tokens), ()
+        else:
+            proposer, layer_ids = DraftProposer(draft, target, settings.num_speculative_tokens), draft.target_layer_ids
+        decoded = speculative_decode(TargetSession(target, layer_ids), proposer, embeds, rule)
         outputs[name] = _generation(decoded, reply_text(prompt_format, decoded))
     return SampleResult(request.index, request.id, request.reference, _generation(reference, reference_text), outputs)
 

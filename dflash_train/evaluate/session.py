@@ -19,10 +19,17 @@ from dflash_train.target.base import FrozenTarget
 
 @dataclass
 class StepOutput:
-    """Logits ``[n, V]`` and tapped features ``[n, n_taps * H]`` (``None`` without taps) of ``n`` positions."""
+    """What the target computed for ``n`` positions: logits ``[n, V]`` (of the last position only after a
+    prefill), tapped features ``[n, n_taps * H]`` (``None`` without taps) and final hidden states ``[n, H]``."""
 
     logits: torch.Tensor
     features: torch.Tensor | None
+    hidden: torch.Tensor
+
+    def first(self, n: int) -> "StepOutput":
+        """The features and hidden states of the first ``n`` positions (the verified ones of a round)."""
+        features = self.features[:n] if self.features is not None else None
+        return StepOutput(self.logits[:n], features, self.hidden[:n])
 
 
 class TargetSession:
@@ -43,9 +50,10 @@ class TargetSession:
         positions = torch.arange(self.length, self.length + count, device=inputs_embeds.device)[None]
         out = self.target.forward_cached(inputs_embeds, positions, self.cache, self.layer_ids)
         features = out.features[0] if out.features is not None else None
-        hidden = out.last_hidden[0, -1:] if last_only else out.last_hidden[0]
+        hidden = out.last_hidden[0]
         self.length += count
-        return StepOutput(self.target.lm_head(hidden).float(), features)
+        logits = self.target.lm_head(hidden[-1:] if last_only else hidden).float()
+        return StepOutput(logits, features, hidden)
 
     def prefill(self, inputs_embeds: torch.Tensor) -> StepOutput:
         """Process the prompt ``[1, S, H]`` (audio frames already spliced); logits of its last position only."""

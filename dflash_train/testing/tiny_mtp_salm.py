@@ -17,9 +17,10 @@ The directory is vLLM-ready (serve it with ``{"method": "mtp", "num_speculative_
 separate steps (``use_repeated_layer: false``), which the plugin refuses to serve. ``--echo``
 builds a head that proposes the last token it was given (its acceptance is computable from
 target-only output), by tying the embedding to the LM head and passing the token embedding
-straight through the MTP step.
+straight through the MTP step; ``--echo-attention-std S`` lets its attention and hidden-state
+input act with weights of scale S (proposals then depend on the whole MTP computation).
 
-    python -m dflash_train.testing.tiny_mtp_salm --out DIR [--heads N] [--distinct] [--echo]
+    python -m dflash_train.testing.tiny_mtp_salm --out DIR [--heads N] [--distinct] [--echo [--echo-attention-std S]]
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class TinyMTPSpec:
     heads: int = 2  # mtp.num_nextn_predict_layers
     distinct: bool = False  # store `heads` separate steps instead of one repeated step
     echo: bool = False  # the MTP step proposes its input token
-    weight_std: float = 0.3  # random layer weights (large enough that greedy output is not one token repeated)
+    echo_attention_std: float = 0.0  # > 0: the echo head's attention and hidden input also act (weakly)
+    weight_std: float = 0.28  # random layer weights: greedy output repeats tokens now and then, not always
     sizes: TinySALMSpec = TinySALMSpec()
 
 
@@ -136,16 +138,19 @@ def _mtp_weights(spec: TinyMTPSpec, generator) -> dict:
     for j in range(steps * len(spec.mtp_pattern)):
         prefix = f"llm.mtp.layers.{j}"
         first, last = j % len(spec.mtp_pattern) == 0, j % len(spec.mtp_pattern) == len(spec.mtp_pattern) - 1
+        weak = spec.echo_attention_std
         if first:
             weights[f"{prefix}.enorm.weight"] = torch.ones(h)
-            weights[f"{prefix}.hnorm.weight"] = torch.zeros(h) if spec.echo else torch.ones(h)
-            fuse = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1) if spec.echo else rand(h, 2 * h)
+            weights[f"{prefix}.hnorm.weight"] = torch.ones(h)
+            hidden_half = torch.randn(h, h, generator=generator) * weak
+            fuse = torch.cat([torch.eye(h), hidden_half], dim=1) if spec.echo else rand(h, 2 * h)
             weights[f"{prefix}.eh_proj.weight"] = fuse
         weights[f"{prefix}.norm.weight"] = torch.ones(h)
         weights[f"{prefix}.mixer.q_proj.weight"] = rand(q, h)
         weights[f"{prefix}.mixer.k_proj.weight"] = rand(kv, h)
         weights[f"{prefix}.mixer.v_proj.weight"] = rand(kv, h)
-        weights[f"{prefix}.mixer.o_proj.weight"] = torch.zeros(h, q) if spec.echo else rand(h, q)
+        output = torch.randn(h, q, generator=generator) * weak if spec.echo else rand(h, q)
+        weights[f"{prefix}.mixer.o_proj.weight"] = output
         if last:
             weights[f"{prefix}.final_layernorm.weight"] = torch.ones(h)
     return weights
@@ -223,12 +228,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--distinct", action="store_true", help="store separate steps (use_repeated_layer: false)")
     parser.add_argument("--echo", action="store_true", help="a head that proposes its input token")
     parser.add_argument(
+        "--echo-attention-std", type=float, default=0.0, help="with --echo: weak attention and hidden-state input"
+    )
+    parser.add_argument(
         "--backbone-pattern",
         default=TinyMTPSpec.backbone_pattern,
         help="Nemotron-H layers: * (attention), - (MLP), M (Mamba)",
     )
     args = parser.parse_args(argv)
-    spec = TinyMTPSpec(heads=args.heads, distinct=args.distinct, echo=args.echo, backbone_pattern=args.backbone_pattern)
+    spec = TinyMTPSpec(
+        heads=args.heads,
+        distinct=args.distinct,
+        echo=args.echo,
+        echo_attention_std=args.echo_attention_std,
+        backbone_pattern=args.backbone_pattern,
+    )
     out = build_tiny_mtp_salm(args.out, spec)
     print(out)
     return 0

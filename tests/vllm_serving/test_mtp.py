@@ -41,6 +41,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         "repeated": _build(root, "repeated", heads=2),
         "echo": _build(root, "echo", heads=2, echo=True),
         "distinct": _build(root, "distinct", heads=2, distinct=True),
+        "weak_echo": _build(root, "weak_echo", heads=2, echo=True, echo_attention_std=0.1),
     }
 
 
@@ -316,3 +317,47 @@ def test_a_distinct_multi_head_checkpoint_is_refused_at_start_naming_use_repeate
     with pytest.raises(Exception, match="use_repeated_layer") as err:
         serve(checkpoints["distinct"], requests_[:1], 4, num_speculative_tokens=2)
     assert "mtp.num_nextn_predict_layers=2 distinct heads" in str(err.value)
+
+
+# --- parity with the reference decoder (dflash-eval --mtp) -----------------------------------------
+
+PARITY_DTYPE = "float32"  # as for DFlash parity: bf16 kernels round differently on the two sides
+
+
+@pytest.mark.parametrize("k", (3, 5))
+def test_dflash_eval_reproduces_vllms_mtp_tokens_and_counters(
+    k, checkpoints, requests_, validation_cuts, serving_reports
+):
+    from dflash_train.config.schema import InputConfig
+    from dflash_train.evaluate.loading import TargetSource
+    from dflash_train.evaluate.run import MTP, TARGET_MTP_HEADS, evaluate, prepare
+
+    target = checkpoints["weak_echo"]
+    served_target_only = serve(target, requests_, MAX_TOKENS, dtype=PARITY_DTYPE)
+    served = serve(target, requests_, MAX_TOKENS, num_speculative_tokens=k, dtype=PARITY_DTYPE)
+    settings, loaded = prepare(
+        TargetSource(checkpoint=str(target)),
+        {MTP: TARGET_MTP_HEADS},
+        InputConfig(type="lhotse_as_conversation", cuts_path=str(validation_cuts)),
+        num_speculative_tokens=k,
+        max_new_tokens=MAX_TOKENS,
+        dtype=PARITY_DTYPE,
+        device="cpu",
+        limit=len(requests_),
+    )
+    report_ = evaluate(settings, loaded)
+    assert not report_.failures, report_.failures
+    assert [s.id for s in report_.samples] == [r.id for r in requests_]
+    assert first_mismatches(served_target_only.token_ids, [s.target.token_ids for s in report_.samples]) == {}
+    assert first_mismatches(served.token_ids, [s.drafts[MTP].token_ids for s in report_.samples]) == {}
+    reference, counters = report_.counters(MTP), served.counters
+    serving_reports.append(
+        f"MTP parity, K={k} (float32): reference decoder {reference.accepted} accepted / {reference.rounds} rounds, "
+        f"per position {reference.accepted_per_position}; vLLM {counters.accepted} / {counters.rounds}, "
+        f"per position {counters.accepted_per_position}"
+    )
+    assert reference.accepted > 0 and reference.accepted < reference.proposed, "parity needs hits and misses"
+    assert (reference.rounds, list(reference.accepted_per_position)) == (
+        counters.rounds,
+        list(counters.accepted_per_position),
+    )

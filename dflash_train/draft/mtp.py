@@ -1,0 +1,176 @@
+"""One MTP step of a SpeechLM in PyTorch: the computation vLLM's ``NemotronHMTP`` serves, for our code to run.
+
+An MTP step reads, at position *i*, the embedding of the next token *t_{i+1}* (an audio frame's
+embedding at audio positions) and a hidden state *h_i* (the target's final, post-norm hidden
+state for the first step; the step's own output after that), and predicts *t_{i+2}* through the
+target's LM head:
+
+    x = eh_proj(cat[enorm(e_{i+1}), hnorm(h_i)])            # eh_proj: [H, 2H], embedding half first
+    for each sublayer of the pattern ('*': attention, causal, no RoPE; pre-norm, residual):
+        x, residual = norm(x [+ residual]); x = attention(x)
+    out = final_layernorm(x + residual)                       # logits = lm_head(out)
+
+The attention of a sublayer sees every earlier position of its own inputs (the step keeps a KV
+cache like any decoder layer). Weights are NeMo's (``llm.mtp.layers.<j>.*``, one module per
+pattern character per step); RMS norms compute in float32, as vLLM's do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dflash_train.constants import CONFIG_FILE, LLM_BACKBONE_DIR, WEIGHTS_FILE
+from dflash_train.errors import ConfigError
+from dflash_train.files import read_json_object
+
+MTP_WEIGHT_PREFIX = "llm.mtp.layers."
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight``, in float32 whatever the input dtype (vLLM's and HF's order of operations)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x).to(dtype)
+
+
+class AttentionSublayer(nn.Module):
+    """A Nemotron-H attention block of an MTP step: ``norm`` then grouped-query attention, no RoPE."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.norm = RMSNorm(hidden, eps)
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: Optional["KVCache"]) -> torch.Tensor:
+        """``x`` ``[n, H]`` at the positions after ``cache``'s; appends their keys and values to it."""
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1)
+        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(k, v)
+        mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        out = nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
+        )
+        return self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
+
+
+class KVCache:
+    """Keys and values ``[kv_heads, length, head_dim]`` of one attention sublayer, croppable."""
+
+    def __init__(self):
+        self.k: Optional[torch.Tensor] = None
+        self.v: Optional[torch.Tensor] = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :length], self.v[:, :length]
+
+
+class MTPStep(nn.Module):
+    """One MTP step (module docstring); ``pattern`` of attention sublayers only ('*')."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, pattern: str = "*"):
+        super().__init__()
+        if not pattern or set(pattern) - {"*"}:
+            raise ConfigError(
+                f"mtp.hybrid_override_pattern={pattern!r}: the reference MTP step runs '*' sublayers only"
+            )
+        self.pattern = pattern
+        self.enorm = RMSNorm(hidden, eps)
+        self.hnorm = RMSNorm(hidden, eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList(AttentionSublayer(hidden, heads, kv_heads, head_dim, eps) for _ in pattern)
+        self.final_layernorm = RMSNorm(hidden, eps)
+
+    def new_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cache: Optional[list[KVCache]] = None
+    ) -> torch.Tensor:
+        """Outputs ``[n, H]`` for ``n`` positions (``embeds``: next-token embeddings, ``hidden``: states)."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        residual = None
+        for i, layer in enumerate(self.layers):
+            residual = x if residual is None else x + residual
+            x = layer(layer.norm(residual), cache[i] if cache is not None else None)
+        return self.final_layernorm(x + residual)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> tuple["MTPStep", int]:
+        """The stored step of a SpeechLM MTP checkpoint and its trained head count (``num_nextn_predict_layers``)."""
+        from safetensors import safe_open
+        from transformers import AutoConfig
+
+        path = Path(path)
+        config = read_json_object(path / CONFIG_FILE, "point --target at a SpeechLM checkpoint directory")
+        block = config.get("mtp") or {}
+        if not block.get("enabled", False):
+            raise ConfigError(f"{path / CONFIG_FILE} has no mtp block with enabled: true: this target has no MTP heads")
+        heads = int(block.get("num_nextn_predict_layers", 1))
+        if heads > 1 and not block.get("use_repeated_layer", False):
+            raise ConfigError(
+                f"{path / CONFIG_FILE}: mtp.num_nextn_predict_layers={heads} distinct heads; the reference decoder, like "
+                "vLLM, runs one repeated step (use_repeated_layer: true)"
+            )
+        text = AutoConfig.from_pretrained(path / LLM_BACKBONE_DIR).get_text_config()
+        eps = getattr(text, "layer_norm_epsilon", None) or getattr(text, "rms_norm_eps", None) or 1e-5
+        step = cls(
+            text.hidden_size,
+            text.num_attention_heads,
+            text.num_key_value_heads or text.num_attention_heads,
+            getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            eps,
+            block.get("hybrid_override_pattern", "*"),
+        )
+        state = {}
+        with safe_open(str(path / WEIGHTS_FILE), "pt") as f:
+            for name in f.keys():
+                if name.startswith(MTP_WEIGHT_PREFIX) and "._extra_state" not in name:
+                    state[_step_name(name, len(step.pattern))] = f.get_tensor(name)
+        expected = set(step.state_dict())
+        if set(state) != expected:
+            missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise ConfigError(f"{path / WEIGHTS_FILE}: MTP weights missing {missing[:4]}, unexpected {unexpected[:4]}")
+        step.load_state_dict(state, strict=True)
+        return step.eval(), heads
+
+
+def _step_name(name: str, modules: int) -> str:
+    """Our parameter name for a checkpoint tensor ``llm.mtp.layers.<j>.<rest>`` (NeMo's, vLLM's layout)."""
+    index, rest = name[len(MTP_WEIGHT_PREFIX) :].split(".", 1)
+    j = int(index)
+    if j >= modules:
+        raise ConfigError(f"checkpoint tensor '{name}' belongs to a second MTP step: distinct heads are not served")
+    if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "final_layernorm"):
+        return rest
+    return f"layers.{j}." + rest.removeprefix("mixer.")

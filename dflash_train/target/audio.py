@@ -1,0 +1,68 @@
+"""What every speech target shares: audio encoded by NeMo's perception and spliced into the LLM inputs."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_train.data.batch import SpeechBatch
+from dflash_train.target.llm import FrozenLLM
+from dflash_train.target.splice import SplicedBatch, splice_audio_frames
+
+
+class AudioLLM(FrozenLLM):
+    """A frozen LLM behind an audio perception (encoder + projection to the LLM's width).
+
+    A subclass provides ``perception``, ``encoder_chunk_size_seconds``, ``sampling_rate``,
+    ``audio_locator_tag_id``, ``pad_id`` and the LLM (:class:`FrozenLLM`); encoding and
+    splicing are the same for every such target, so training and evaluation see one rule.
+    """
+
+    perception_dtype: torch.dtype | None = None
+
+    def run_perception_in(self, dtype: torch.dtype) -> "AudioLLM":
+        """Run the audio encoder and projection in ``dtype`` and round their output to it.
+
+        Serving does this: vLLM's NeMo SALM model keeps the perception in bfloat16 whatever
+        the LLM's dtype, and the LLM sees bfloat16-rounded audio frames. An evaluation that
+        must produce serving's tokens mirrors it; training leaves the perception alone.
+        """
+        self.perception.to(dtype)
+        self.perception_dtype = dtype
+        return self
+
+    @torch.no_grad()
+    def encode_audio(self, audios: torch.Tensor, audio_lens: torch.Tensor) -> list[torch.Tensor]:
+        """Perception output per audio, unpadded: a list of ``[frames_i, H]``."""
+        from nemo.collections.speechlm2.parts.encoder_chunking import encode_audio_with_optional_chunking
+
+        frames = encode_audio_with_optional_chunking(
+            self.perception,
+            audios,
+            audio_lens,
+            chunk_size_seconds=self.encoder_chunk_size_seconds,
+            sampling_rate=self.sampling_rate,
+        )
+        if self.perception_dtype is None:
+            return frames
+        return [f.to(self.perception_dtype) for f in frames]
+
+    @torch.no_grad()
+    def splice_batch(self, batch: SpeechBatch, mask_token_id: int) -> SplicedBatch:
+        """Embed text, run perception on the audio and splice its frames at the placeholders."""
+        has_audio = len(batch.audios_per_row) and sum(batch.audios_per_row)
+        audio_embeds = self.encode_audio(batch.audios, batch.audio_lens) if has_audio else []
+        row_lengths, audio_positions = batch.placements(self.audio_locator_tag_id)
+        safe_ids = torch.where(batch.input_ids == self.audio_locator_tag_id, self.pad_id, batch.input_ids)
+        return splice_audio_frames(
+            input_ids=batch.input_ids,
+            row_lengths=row_lengths,
+            audio_positions=audio_positions,
+            loss_mask=batch.loss_mask,
+            text_embeds=self.embed_tokens(safe_ids),
+            audio_embeds=audio_embeds,
+            audios_per_row=batch.audios_per_row,
+            mask_token_id=mask_token_id,
+            pad_id=self.pad_id,
+            sample_ids=batch.sample_ids,
+            document_ids=batch.document_ids,
+        )
