@@ -54,7 +54,7 @@ def _setup(work: Path, num_anchors: int, repeat: int = 4):
     batch = chatml_speech_batch(target, (torch.as_tensor(audios), torch.as_tensor(lens)), TEXTS, repeat=repeat)
     cfg = DFlash2Config(draft_num_hidden_layers=2, block_size=8, num_anchors=num_anchors, selector_rank=32)
     spec = DraftSpec(cfg, (1, 3), 320, target.num_layers)
-    return target, batch, spec, lambda: build_draft(target.salm.llm.config, spec, "sdpa")
+    return target, batch, spec, lambda: build_draft(target.llm_config, spec, "sdpa")
 
 
 def bare_loop(target, batch, spec, make_draft, steps: int) -> list[float]:

@@ -218,6 +218,8 @@ TRAIN = [
     ("train/truncated target", lambda p: {"model.pretrained_name": p["truncated_target"]},
      lambda p: p["truncated_target"] / "model.safetensors"),
     ("train/target is a file", lambda p: {"model.pretrained_name": p["file"]}, lambda p: p["file"]),
+    ("train/truncated warm-start export", lambda p: {"dflash.init_from_pretrained": p["truncated_draft"]},
+     lambda p: p["truncated_draft"] / "model.safetensors"),
     ("train/cuts not JSONL", lambda p: {"data.train_ds.input_cfg.0.cuts_path": p["not_json"]}, lambda p: p["not_json"]),
     ("train/missing cuts", lambda p: {"data.train_ds.input_cfg.0.cuts_path": p["missing"]}, lambda p: p["missing"]),
     ("train/empty cuts", lambda p: {"data.train_ds.input_cfg.0.cuts_path": p["empty"]}, lambda p: p["empty"]),

@@ -131,19 +131,19 @@ def warm_start(draft: nn.Module, export_dir: str, spec: DraftSpec) -> None:
 
     ``block_size`` may differ (8 → 16): no weight depends on it.
     """
-    import json
     from pathlib import Path
-
-    from safetensors.torch import load_file
 
     from dflash_train.constants import CONFIG_FILE, WEIGHTS_FILE
     from dflash_train.draft.export import DraftExportError, load_strictly
     from dflash_train.errors import ConfigError
+    from dflash_train.files import check_safetensors, load_safetensors, read_json_object
 
     path = Path(export_dir)
     if not (path / CONFIG_FILE).exists() or not (path / WEIGHTS_FILE).exists():
         raise ConfigError(f"dflash.init_from_pretrained='{export_dir}' is not a draft export ({CONFIG_FILE} + {WEIGHTS_FILE})")
-    config = json.loads((path / CONFIG_FILE).read_text())
+    fix = "point dflash.init_from_pretrained at a complete draft export written by dflash-train"
+    config = read_json_object(path / CONFIG_FILE, fix)
+    check_safetensors(path / WEIGHTS_FILE, fix)  # a truncated copy fails here, before the shape checks
     try:
         trained_variant = variant_for_architecture((config.get("architectures") or ["?"])[0])
     except ValueError as err:
@@ -162,7 +162,7 @@ def warm_start(draft: nn.Module, export_dir: str, spec: DraftSpec) -> None:
                 f"set dflash.{key}={trained[key]}"
             )
     try:
-        load_strictly(draft, load_file(str(path / WEIGHTS_FILE)), source=str(path))
+        load_strictly(draft, load_safetensors(path / WEIGHTS_FILE, fix), source=str(path))
     except DraftExportError as err:
         raise ConfigError(f"dflash.init_from_pretrained: {err}") from None
     log.info("draft: warm start from %s (block_size %s -> %s)", path, trained.get("block_size"), spec.cfg.block_size)

@@ -6,7 +6,6 @@ problem is a one-line :class:`~dflash_train.errors.ConfigError`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -15,9 +14,11 @@ import torch
 from torch import nn
 
 from dflash_train.config.schema import InputConfig, ModelConfig, RunConfig
+from dflash_train.constants import CONFIG_FILE
 from dflash_train.data.estimator import AudioTokenEstimator
 from dflash_train.data.prompt import ChatMLFormat, build_prompt_format
 from dflash_train.errors import ConfigError
+from dflash_train.files import read_json_object
 from dflash_train.target import FrozenTarget, SALMTarget, load_salm
 from dflash_train.target.audio import AudioLLM
 from dflash_train.target.salm import check_salm_checkpoint
@@ -72,8 +73,8 @@ class TargetSource:
         path = Path(self.checkpoint)
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
             raise ConfigError(f"--target '{path}' is not a SALM checkpoint directory (config.json + model.safetensors)")
-        check_salm_checkpoint(path, "--target")
-        tag = json.loads((path / "config.json").read_text()).get("audio_locator_tag") or ModelConfig.audio_locator_tag
+        config = read_json_object(check_salm_checkpoint(path, "--target") / CONFIG_FILE, "point --target at a SALM checkpoint")
+        tag = config.get("audio_locator_tag") or ModelConfig.audio_locator_tag
         return ModelConfig(pretrained_name=str(path), audio_locator_tag=tag)
 
 

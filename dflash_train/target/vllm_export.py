@@ -131,10 +131,11 @@ def _check_replaceable(out: Path) -> None:
     a directory holding anything else is refused rather than deleted."""
     if not out.is_dir() or not any(out.iterdir()):
         return
-    config = out / CONFIG_FILE
+    from dflash_train.files import read_json_object
+
     try:
-        ours = json.loads(config.read_text()).get("architectures") == [SALM_ARCHITECTURE]
-    except (OSError, ValueError, AttributeError):
+        ours = read_json_object(out / CONFIG_FILE, "").get("architectures") == [SALM_ARCHITECTURE]
+    except ValueError:  # missing, unreadable or not a JSON object: not ours
         ours = False
     if not ours:
         raise TargetExportError(
