@@ -106,6 +106,10 @@ def test_dflash_group_selects_the_variant_schema():
         (["dflash.selector_top_k=0"], "dflash.selector_top_k=0 must be >= 1"),
         (["dflash.selector_loss_weight=-1"], "dflash.selector_loss_weight=-1.0 must be >= 0"),
         (["+model.salm={pretrained_llm: x}"], "set exactly one of model.pretrained_name"),
+        (
+            ["data.train_ds.input_cfg=[{type: lhotse_as_conversation, cuts_path: c, audio_locator_tag: '<audio>'}]"],
+            "data.train_ds.input_cfg[0].audio_locator_tag='<audio>' differs from model.audio_locator_tag='<|audio|>'",
+        ),
     ],
 )
 def test_bad_config_is_rejected_with_its_message(overrides, message):
@@ -113,6 +117,12 @@ def test_bad_config_is_rejected_with_its_message(overrides, message):
         validate_config(compose("dflash", VALID + overrides))
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_an_input_may_name_the_targets_audio_tag_as_nemos_inputs_do():
+    inputs = "[{type: lhotse_as_conversation, cuts_path: c, audio_locator_tag: '<|audio|>'}]"
+    run, _ = validate_config(compose("dflash", VALID + [f"data.train_ds.input_cfg={inputs}"]))
+    assert run.data.train_ds.input_cfg[0].audio_locator_tag == run.model.audio_locator_tag
 
 
 def test_missing_mandatory_values_are_named():

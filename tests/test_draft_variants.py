@@ -1,5 +1,6 @@
 """Variant behaviour checked against computations written here: DFlash2's selector terms, warm starts."""
 
+import json
 import math
 
 import pytest
@@ -136,3 +137,42 @@ def test_a_missing_nemo_automodel_names_the_install_line(monkeypatch):
     for variant in VARIANTS.values():
         with pytest.raises(MissingDependencyError, match=r"install them with `pip install --no-deps nemo-automodel==0\.7\.0`"):
             variant.load_classes()
+
+
+def _rewrite_export(export, config_change=None, weights_change=None):
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((export / "config.json").read_text())
+    if config_change:
+        config_change(config)
+        (export / "config.json").write_text(json.dumps(config))
+    if weights_change:
+        weights = load_file(str(export / "model.safetensors"))
+        save_file(weights_change(weights), str(export / "model.safetensors"))
+    return export
+
+
+def test_warm_start_from_a_draft_with_other_rotary_settings_names_them(tiny_salm_dir, tiny_target, tmp_path):
+    cfg = _dflash_cfg(tiny_salm_dir)
+    export = _rewrite_export(
+        _export(tiny_target, cfg, tmp_path / "r"), lambda c: c.update(rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    )
+    with pytest.raises(ConfigError, match=r"trained with rotary settings \{'rope_theta': 1000000.0.*but this run's draft uses"):
+        _warm_start_into(tiny_target, cfg, export)
+
+
+def test_warm_start_refuses_a_quantized_artifact(tiny_salm_dir, tiny_target, tmp_path):
+    import torch
+
+    cfg = _dflash_cfg(tiny_salm_dir)
+    declared = _rewrite_export(
+        _export(tiny_target, cfg, tmp_path / "q"), lambda c: c.update(quantization_config={"quant_method": "modelopt"})
+    )
+    with pytest.raises(ConfigError, match="is a quantized artifact .*modelopt.*trainable floating-point export"):
+        _warm_start_into(tiny_target, cfg, declared)
+    packed = _rewrite_export(
+        _export(tiny_target, cfg, tmp_path / "p"),
+        weights_change=lambda w: {k: (v.to(torch.float8_e4m3fn) if k == "fc.weight" else v) for k, v in w.items()},
+    )
+    with pytest.raises(ConfigError, match="holds torch.float8_e4m3fn tensors .*trainable floating-point export"):
+        _warm_start_into(tiny_target, cfg, packed)

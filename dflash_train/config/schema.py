@@ -57,6 +57,7 @@ class InputConfig:
     name: Optional[str] = None
     tags: dict = field(default_factory=dict)
     assistant_turns: str = "all"
+    audio_locator_tag: Optional[str] = None  # NeMo's per-input key; must equal model.audio_locator_tag when set
 
 
 @dataclass

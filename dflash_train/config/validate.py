@@ -172,6 +172,17 @@ def _managed_overrides(run: RunConfig) -> list[str]:
     return sorted(set(run.dflash.draft_model_config) & set(MANAGED_DRAFT_KEYS))
 
 
+def _foreign_audio_tags(run: RunConfig) -> list[str]:
+    """``data.<split>.input_cfg[i].audio_locator_tag='...'`` for every input tag that is not the target's."""
+    found = []
+    for split in ("train_ds", "validation_ds"):
+        ds = getattr(run.data, split)
+        for i, inp in enumerate(ds.input_cfg if ds is not None else []):
+            if inp.audio_locator_tag is not None and inp.audio_locator_tag != run.model.audio_locator_tag:
+                found.append(f"data.{split}.input_cfg[{i}].audio_locator_tag='{inp.audio_locator_tag}'")
+    return found
+
+
 RULES: tuple[Rule, ...] = (
     *(
         Rule(
@@ -252,6 +263,11 @@ RULES: tuple[Rule, ...] = (
         lambda run: run.dflash.target_layer_ids is None
         or len(set(run.dflash.target_layer_ids)) == len(run.dflash.target_layer_ids),
         lambda run: f"dflash.target_layer_ids={list(run.dflash.target_layer_ids)} repeats a layer; list distinct ids",
+    ),
+    Rule(
+        lambda run: not _foreign_audio_tags(run),
+        lambda run: f"{_foreign_audio_tags(run)[0]} differs from model.audio_locator_tag="
+        f"'{run.model.audio_locator_tag}' (the target's audio placeholder); make them equal",
     ),
     Rule(
         lambda run: not _managed_overrides(run),

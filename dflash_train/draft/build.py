@@ -144,6 +144,18 @@ def warm_start(draft: nn.Module, export_dir: str, spec: DraftSpec) -> None:
     fix = "point dflash.init_from_pretrained at a complete draft export written by dflash-train"
     config = read_json_object(path / CONFIG_FILE, fix)
     check_safetensors(path / WEIGHTS_FILE, fix)  # a truncated copy fails here, before the shape checks
+    if config.get("quantization_config") is not None:
+        raise ConfigError(
+            f"dflash.init_from_pretrained='{export_dir}' is a quantized artifact (quantization_config "
+            f"{config['quantization_config'].get('quant_method', '?') if isinstance(config['quantization_config'], dict) else '?'}); "
+            "warm start needs a trainable floating-point export (the one dflash-train writes)"
+        )
+    theirs, ours_rope = _rotary_settings(config), _rotary_settings(draft.config.to_dict())
+    if theirs != ours_rope:
+        raise ConfigError(
+            f"dflash.init_from_pretrained was trained with rotary settings {theirs} but this run's draft uses "
+            f"{ours_rope} (they come from the target's LLM config); warm start from a draft of this target family"
+        )
     try:
         trained_variant = variant_for_architecture((config.get("architectures") or ["?"])[0])
     except ValueError as err:
@@ -161,8 +173,28 @@ def warm_start(draft: nn.Module, export_dir: str, spec: DraftSpec) -> None:
                 f"dflash.init_from_pretrained was trained with {key}={trained[key]} but this run uses {ours[key]}; "
                 f"set dflash.{key}={trained[key]}"
             )
+    weights = load_safetensors(path / WEIGHTS_FILE, fix)
+    packed = sorted({str(t.dtype) for t in weights.values() if not t.is_floating_point() or t.element_size() < 2})
+    if packed:
+        raise ConfigError(
+            f"dflash.init_from_pretrained='{export_dir}' holds {', '.join(packed)} tensors (a quantized or packed "
+            "artifact); warm start needs a trainable floating-point export (the one dflash-train writes)"
+        )
     try:
-        load_strictly(draft, load_safetensors(path / WEIGHTS_FILE, fix), source=str(path))
+        load_strictly(draft, weights, source=str(path))
     except DraftExportError as err:
         raise ConfigError(f"dflash.init_from_pretrained: {err}") from None
     log.info("draft: warm start from %s (block_size %s -> %s)", path, trained.get("block_size"), spec.cfg.block_size)
+
+
+ROTARY_KEYS = ("rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor")
+
+
+def _rotary_settings(config: dict) -> dict:
+    """The rotary-embedding settings of a config dict (transformers 5's ``rope_parameters`` or the older keys)."""
+    settings = {k: config[k] for k in ROTARY_KEYS if config.get(k) is not None}
+    parameters = settings.pop("rope_parameters", None)
+    if isinstance(parameters, dict):  # transformers 5 folds rope_theta / rope_scaling into rope_parameters
+        settings = {**{k: v for k, v in parameters.items() if v is not None}, **settings}
+        settings.pop("rope_scaling", None)
+    return settings

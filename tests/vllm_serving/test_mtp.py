@@ -319,6 +319,34 @@ def test_a_distinct_multi_head_checkpoint_is_refused_at_start_naming_use_repeate
     assert "mtp.num_nextn_predict_layers=2 distinct heads" in str(err.value)
 
 
+SPAWNED = r"""
+import json, sys
+from transformers import AutoTokenizer
+from dflash_train.vllm_plugin.serving import serve, validation_requests
+
+if __name__ == "__main__":
+    target, cuts = sys.argv[1], sys.argv[2]
+    requests = validation_requests(cuts, AutoTokenizer.from_pretrained(target), 2)
+    run = serve(target, requests, 8, num_speculative_tokens=2, distributed_executor_backend="mp")
+    print(json.dumps({"rounds": run.counters.rounds, "tokens": [len(t) for t in run.token_ids]}))
+"""
+
+
+def test_mtp_serves_from_spawned_engine_processes(checkpoints, validation_cuts, tmp_path):
+    """vLLM's default: the engine core and its worker in fresh (spawned) processes, which must find the
+    plugin's hook and draft class there (the in-process tests above cannot show that)."""
+    script = tmp_path / "serve_spawned.py"
+    script.write_text(SPAWNED)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    command = [sys.executable, str(script), str(checkpoints["repeated"]), str(validation_cuts)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = result.stdout + result.stderr
+    assert "(EngineCore pid=" in logs and "(Worker pid=" in logs, "the engine did not run in its own processes"
+    served = json.loads(result.stdout.strip().splitlines()[-1])
+    assert served["rounds"] > 0 and served["tokens"] == [8, 8]
+
+
 # --- parity with the reference decoder (dflash-eval --mtp) -----------------------------------------
 
 PARITY_DTYPE = "float32"  # as for DFlash parity: bf16 kernels round differently on the two sides
