@@ -1,5 +1,7 @@
 """Exact resume: N steps, stop, resume to 2N equals an uninterrupted 2N run (fp32)."""
 
+import re
+
 import pytest
 from conftest import UTTERANCES, chatml_speech_batch, same_tensors
 from listdata import ListDataModule
@@ -12,8 +14,24 @@ TEXTS = list(UTTERANCES.values())
 SCHEDULE = "dflash.lr_scheduler={_target_:torch.optim.lr_scheduler.StepLR,step_size:2,gamma:0.5}"
 
 
+def test_a_resume_says_what_it_restored_and_warns_past_the_schedules_horizon():
+    from dflash_train.training.module import describe_restored_state
+
+    checkpoint = {
+        "global_step": 300,
+        "optimizer_states": [{"param_groups": [{"lr": 3.0e-4}]}],
+        "lr_schedulers": [{"T_max": 500, "last_epoch": 300}],
+    }
+    message, warning = describe_restored_state(checkpoint, max_steps=500)
+    assert message == "resume: restored global step 300, lr 0.0003, scheduler at step 300 of 500" and warning is None
+    _, warning = describe_restored_state(checkpoint, max_steps=800)
+    assert warning.startswith("trainer.max_steps=800 runs past the restored LR schedule's horizon (500 steps)")
+    message, warning = describe_restored_state({**checkpoint, "lr_schedulers": []}, max_steps=800)
+    assert message.endswith("no scheduler (constant lr)") and warning is None
+
+
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
-def test_resume_is_exact(tiny_salm_dir, tiny_target, speech_batch, tmp_path, variant):
+def test_resume_is_exact(tiny_salm_dir, tiny_target, speech_batch, tmp_path, variant, caplog):
     first = chatml_speech_batch(tiny_target, speech_batch, TEXTS, repeat=2)
     second = chatml_speech_batch(tiny_target, speech_batch, TEXTS[::-1], repeat=3)
 
@@ -27,7 +45,9 @@ def test_resume_is_exact(tiny_salm_dir, tiny_target, speech_batch, tmp_path, var
     straight = train(recipe(tmp_path / "straight", 6), factory)
     stopped = train(recipe(tmp_path / "resumed", 3), factory)
     at_three = load_file(str(stopped.export_dir / "model.safetensors"))
-    resumed = train(recipe(tmp_path / "resumed", 6), factory)
+    with caplog.at_level("INFO", logger="dflash_train.training.module"):
+        resumed = train(recipe(tmp_path / "resumed", 6), factory)
+    assert re.search(r"resume: restored global step 3, lr [0-9.e-]+, scheduler at step 3\b", caplog.text)
 
     assert stopped.steps == 3 and resumed.steps == 6 and straight.steps == 6
     assert resumed.resumed_from == tmp_path / "resumed" / "checkpoints" / "last.ckpt"

@@ -163,7 +163,17 @@ class DFlashDraftModule(L.LightningModule):
         checkpoint[IDENTITY_KEY] = self.run_identity()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Refuse a checkpoint of another target, variant or trainable set, naming what differs."""
+        """Refuse a checkpoint of another target, variant or trainable set, naming what differs; then say
+        what is restored (step, learning rates, scheduler) and warn when the schedule ends before max_steps."""
+        self._check_identity(checkpoint)
+        trainer = getattr(self, "_trainer", None)
+        max_steps = trainer.max_steps if trainer is not None else None
+        message, warning = describe_restored_state(checkpoint, max_steps)
+        log.info(message)
+        if warning:
+            log.warning(warning)
+
+    def _check_identity(self, checkpoint: dict) -> None:
         saved, ours = checkpoint.get(IDENTITY_KEY), self.run_identity()
         if saved is None:
             return  # written before checkpoints recorded their identity
@@ -466,3 +476,34 @@ class DFlashDraftModule(L.LightningModule):
             return optimizer
         scheduler = instantiate(optim.lr_scheduler, optimizer=optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+SCHEDULE_HORIZON_KEYS = ("total_steps", "T_max", "total_iters")
+"""State-dict keys that end a PyTorch LR schedule: OneCycleLR, CosineAnnealingLR, LinearLR / PolynomialLR."""
+
+
+def describe_restored_state(checkpoint: dict, max_steps: Optional[int]) -> tuple[str, Optional[str]]:
+    """What a resume restores (step, learning rates, scheduler state) as one line, and a warning when the
+    restored schedule ends before ``max_steps``."""
+    step = checkpoint.get("global_step")
+    groups = [g for state in checkpoint.get("optimizer_states") or [] for g in state.get("param_groups", [])]
+    lrs = ", ".join(f"{g['lr']:.3g}" for g in groups if "lr" in g) or "?"
+    schedulers = checkpoint.get("lr_schedulers") or []
+    horizon = next(
+        (int(state[k]) for state in schedulers for k in SCHEDULE_HORIZON_KEYS if isinstance(state.get(k), (int, float))),
+        None,
+    )
+    if schedulers:
+        state = schedulers[0]
+        schedule = f"scheduler at step {state.get('last_epoch', '?')}" + (f" of {horizon}" if horizon else "")
+    else:
+        schedule = "no scheduler (constant lr)"
+    message = f"resume: restored global step {step}, lr {lrs}, {schedule}"
+    warning = None
+    if horizon is not None and max_steps is not None and max_steps > horizon:
+        warning = (
+            f"trainer.max_steps={max_steps} runs past the restored LR schedule's horizon ({horizon} steps): beyond it "
+            "the schedule does what its class does there (OneCycleLR raises, CosineAnnealingLR climbs again, "
+            "LinearLR stays put), not what was planned; extend the schedule or lower trainer.max_steps"
+        )
+    return message, warning
