@@ -125,6 +125,45 @@ def test_an_input_may_name_the_targets_audio_tag_as_nemos_inputs_do():
     assert run.data.train_ds.input_cfg[0].audio_locator_tag == run.model.audio_locator_tag
 
 
+INPUT = "data.train_ds.input_cfg=[{type: lhotse_as_conversation, cuts_path: c}]"
+
+
+@pytest.mark.parametrize(
+    "nemo_keys",
+    [["model.packed_sequences=true"], ["data.train_ds.use_packed_sequence_sampling=true"],
+     ["model.packed_sequences=true", "data.train_ds.use_packed_sequence_sampling=true", "data.train_ds.packing=true"]],
+)
+def test_nemos_packing_keys_mean_packing(nemo_keys):
+    run, _ = validate_config(compose("dflash", VALID + [INPUT, *nemo_keys]))
+    assert run.data.train_ds.packing is True
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.packed_sequences=false", "data.train_ds.packing=true"],
+         "model.packed_sequences=False and data.train_ds.packing=True disagree"),
+        (["data.train_ds.packing=true", "data.train_ds.batch_size=8"],
+         "data.train_ds.batch_size=8 with packing: a packed row is filled to batch_tokens"),
+        (["data.train_ds.use_multimodal_sampling=true", "data.train_ds.batch_tokens=null", "data.train_ds.batch_size=4"],
+         "data.train_ds.use_multimodal_sampling=true needs batch_tokens"),
+        (["data.train_ds.use_multimodal_sampling=false"],
+         "data.train_ds.use_multimodal_sampling=false batches by sample count: set batch_size and batch_tokens=null"),
+    ],
+)
+def test_contradicting_nemo_keys_are_one_line_errors(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose("dflash", VALID + [INPUT, *overrides]))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_use_multimodal_sampling_false_with_a_sample_count_is_valid():
+    overrides = ["data.train_ds.use_multimodal_sampling=false", "data.train_ds.batch_tokens=null",
+                 "data.train_ds.max_tokens=null", "data.train_ds.batch_size=4"]
+    run, _ = validate_config(compose("dflash", VALID + [INPUT, *overrides]))
+    assert run.data.train_ds.batch_size == 4 and run.data.train_ds.batch_tokens is None
+
+
 def test_missing_mandatory_values_are_named():
     with pytest.raises(ConfigError, match="mandatory config value.*model.pretrained_name, data.train_ds.input_cfg"):
         validate_config(compose("dflash"))

@@ -109,7 +109,7 @@ def test_demo_config_validates_against_generated_data_and_names_a_missing_path(d
 
 @pytest.mark.parametrize("change, message", [
     ({"batch_tokens": None}, "data.train_ds: set batch_tokens (token budget) or batch_size"),
-    ({"packing": True, "batch_tokens": None, "batch_size": 4}, "data.train_ds.packing=true needs batch_tokens"),
+    ({"packing": True, "batch_tokens": None}, "data.train_ds.packing=true needs batch_tokens"),
     ({"packing": True, "measure_total_length": False}, "packing=true needs measure_total_length=true"),
     ({"max_tokens": 5000}, "data.train_ds.max_tokens=5000 exceeds batch_tokens=4096"),
     ({"min_duration": 3.0, "max_duration": 1.0}, "data.train_ds.min_duration=3.0 is above max_duration=1.0"),

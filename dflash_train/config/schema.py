@@ -38,6 +38,7 @@ class ModelConfig:
     init_from_checkpoint_strict: bool = True
     audio_locator_tag: str = "<|audio|>"
     encoder_chunk_size_seconds: Optional[float] = None
+    packed_sequences: Optional[bool] = None  # NeMo's name: true = data.train_ds.packing (see resolve_nemo_aliases)
 
 
 @dataclass
@@ -72,6 +73,8 @@ class DatasetConfig:
     min_duration: Optional[float] = None
     max_duration: Optional[float] = None
     packing: bool = False
+    use_packed_sequence_sampling: Optional[bool] = None  # NeMo's name for packing (one meaning)
+    use_multimodal_sampling: Optional[bool] = None  # NeMo's: true = token-budget batches (batch_tokens)
     use_bucketing: bool = False
     num_buckets: int = 10
     bucket_bins: Optional[list[int]] = None

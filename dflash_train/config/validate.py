@@ -286,10 +286,51 @@ def _check_rules(run: RunConfig) -> None:
         raise ConfigError(problem)
 
 
+def resolve_nemo_aliases(run: RunConfig) -> None:
+    """Give NeMo's packing and sampling keys their one meaning in this project's keys, in place.
+
+    ``model.packed_sequences`` and ``data.<split>.use_packed_sequence_sampling`` are NeMo's names
+    for ``packing`` (``packing: false`` is the default, so only a NeMo key saying false against
+    packing saying true is a contradiction); ``use_multimodal_sampling: true`` is token-budget
+    batching (``batch_tokens``), ``false`` batching by sample count (``batch_size``).
+    """
+    model_packed = run.model.packed_sequences
+    for split in ("train_ds", "validation_ds"):
+        ds = getattr(run.data, split)
+        if ds is None:
+            continue
+        key = f"data.{split}"
+        sources = {f"{key}.use_packed_sequence_sampling": ds.use_packed_sequence_sampling}
+        if split == "train_ds":
+            sources["model.packed_sequences"] = model_packed
+        said = {name: value for name, value in sources.items() if value is not None}
+        if ds.packing:
+            said[f"{key}.packing"] = True
+        _require(
+            len(set(said.values())) <= 1,
+            f"{' and '.join(f'{k}={v}' for k, v in said.items())} disagree; they name one setting (packed rows), "
+            "set them alike or keep only one",
+        )
+        ds.packing = any(said.values())
+        if ds.use_multimodal_sampling is True:
+            _require(ds.batch_tokens is not None, f"{key}.use_multimodal_sampling=true needs batch_tokens (the budget)")
+        if ds.use_multimodal_sampling is False:
+            _require(
+                ds.batch_size is not None and ds.batch_tokens is None,
+                f"{key}.use_multimodal_sampling=false batches by sample count: set batch_size and batch_tokens=null",
+            )
+        _require(
+            not (ds.packing and ds.batch_size is not None),
+            f"{key}.batch_size={ds.batch_size} with packing: a packed row is filled to batch_tokens, not by a sample "
+            "count; remove batch_size",
+        )
+
+
 def validate_config(cfg: DictConfig) -> ValidatedConfig:
     """Validate a composed recipe; returns the typed config or raises a one-line :class:`ConfigError`."""
     _check_unknown_keys(cfg, RunConfig)
     run, trainer_kwargs = _typed(cfg)
+    resolve_nemo_aliases(run)
     _check_rules(run)
     return ValidatedConfig(run, trainer_kwargs)
 

@@ -50,6 +50,8 @@ def _check_split(ds: DatasetConfig, key: str) -> None:
     _require(len(ds.input_cfg) > 0, f"{key}.input_cfg is empty; list at least one input")
     for i, inp in enumerate(ds.input_cfg):
         _check_input(inp, f"{key}.input_cfg[{i}]")
+    if ds.packing:
+        _require(ds.batch_tokens is not None, f"{key}.packing=true needs batch_tokens (the packed row length)")
     _require(
         ds.batch_size is not None or ds.batch_tokens is not None,
         f"{key}: set batch_tokens (token budget) or batch_size (samples per batch)",
@@ -65,7 +67,6 @@ def _check_split(ds: DatasetConfig, key: str) -> None:
         f"{key}.prefetch_factor={ds.prefetch_factor} needs num_workers > 0 (batches are prefetched by workers)",
     )
     if ds.packing:
-        _require(ds.batch_tokens is not None, f"{key}.packing=true needs batch_tokens (the packed row length)")
         _require(
             ds.measure_total_length, f"{key}.packing=true needs measure_total_length=true (rows hold whole sequences)"
         )
