@@ -432,3 +432,25 @@ def test_too_many_nan_steps_in_a_row_stop_the_run_naming_the_limit(tiny_salm_dir
     with pytest.raises(NonFiniteTrainingError, match=r"2 optimizer steps in a row had a NaN or infinite gradient "
                                                      r"\(dflash.nonfinite_step_limit=2\)"):
         train(validated, _factory(batches))
+
+
+def test_a_wandb_logger_records_the_run_offline(tiny_salm_dir, batches, tmp_path, monkeypatch):
+    """exp_manager.create_wandb_logger through Lightning's WandbLogger, offline (no account, no network)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    validated = _recipe(tiny_salm_dir, tmp_path, "trainer.max_steps=2", "trainer.val_check_interval=2",
+                        "exp_manager.create_wandb_logger=true",
+                        "exp_manager.wandb_logger_kwargs={project: dflash_test, offline: true}", variant="dflash")
+    train(validated, _factory(batches))
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb")), "no offline W&B run was written"
+    assert _series(_csv_rows(tmp_path), "train/dflash_loss"), "the other loggers still log"
+
+
+def test_a_logger_whose_package_is_missing_is_named_before_training(tiny_salm_dir, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"exp_manager.create_mlflow_logger=true needs the mlflow package; pip install mlflow"):
+        _recipe(tiny_salm_dir, tmp_path, "exp_manager.create_mlflow_logger=true")

@@ -134,6 +134,10 @@ class ExpManagerConfig:
     checkpoint_every_n_steps: Optional[int] = None
     create_tensorboard_logger: bool = True
     create_csv_logger: bool = True
+    create_wandb_logger: bool = False
+    wandb_logger_kwargs: Optional[dict] = None  # Lightning's WandbLogger arguments (project, offline, ...)
+    create_mlflow_logger: bool = False
+    mlflow_logger_kwargs: Optional[dict] = None  # Lightning's MLFlowLogger arguments (tracking_uri, ...)
     requeue_on_preemption: bool = False
     record_sample_ids: bool = False
 

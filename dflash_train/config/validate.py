@@ -172,6 +172,12 @@ def _managed_overrides(run: RunConfig) -> list[str]:
     return sorted(set(run.dflash.draft_model_config) & set(MANAGED_DRAFT_KEYS))
 
 
+def _importable(package: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
+
+
 def _foreign_audio_tags(run: RunConfig) -> list[str]:
     """``data.<split>.input_cfg[i].audio_locator_tag='...'`` for every input tag that is not the target's."""
     found = []
@@ -263,6 +269,14 @@ RULES: tuple[Rule, ...] = (
         lambda run: run.dflash.target_layer_ids is None
         or len(set(run.dflash.target_layer_ids)) == len(run.dflash.target_layer_ids),
         lambda run: f"dflash.target_layer_ids={list(run.dflash.target_layer_ids)} repeats a layer; list distinct ids",
+    ),
+    *(
+        Rule(
+            lambda run, flag=flag, package=package: not getattr(run.exp_manager, flag) or _importable(package),
+            lambda run, flag=flag, package=package: f"exp_manager.{flag}=true needs the {package} package; "
+            f"pip install {package} (or set exp_manager.{flag}=false)",
+        )
+        for flag, package in (("create_wandb_logger", "wandb"), ("create_mlflow_logger", "mlflow"))
     ),
     Rule(
         lambda run: not _foreign_audio_tags(run),

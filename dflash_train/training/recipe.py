@@ -266,6 +266,15 @@ def _loggers(run: RunConfig, run_dir: Path) -> list:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
     loggers = []
+    em = run.exp_manager
+    if em.create_wandb_logger:
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(WandbLogger(**{"save_dir": str(run_dir), "name": run.name, **(em.wandb_logger_kwargs or {})}))
+    if em.create_mlflow_logger:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        loggers.append(MLFlowLogger(**{"save_dir": str(run_dir / "mlruns"), **(em.mlflow_logger_kwargs or {})}))
     if run.exp_manager.create_tensorboard_logger:
         loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
     if run.exp_manager.create_csv_logger:
