@@ -219,3 +219,48 @@ def test_a_wheel_install_finds_the_shipped_recipe(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], check=True, cwd=tmp_path, capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(tmp_path)}).stdout.split()
     assert out == [str(site / "dflash_train" / "__init__.py"), "dflash2", "demo"]
+
+
+def test_nemo_groups_flatten_with_their_sampling_probabilities_and_tags(tmp_path):
+    inputs = tmp_path / "inputs.yaml"
+    inputs.write_text(
+        "- {type: lhotse_as_conversation, cuts_path: plain.jsonl.gz, weight: 1.0}\n"
+        "- type: group\n"
+        "  weight: 2.0\n"
+        "  tags: {context: 'Transcribe:'}\n"
+        "  input_cfg:\n"
+        "    - {type: lhotse_as_conversation, cuts_path: a.jsonl.gz, weight: 1.0}\n"
+        "    - {type: lhotse_as_conversation, cuts_path: b.jsonl.gz, weight: 3.0, tags: {context: 'Say:'}}\n"
+    )
+    run, _ = validate_config(compose("dflash", VALID + [f"data.train_ds.input_cfg={inputs}"]))
+    flat = run.data.train_ds.input_cfg
+    assert [(i.cuts_path, i.weight, i.tags.get("context")) for i in flat] == [
+        ("plain.jsonl.gz", 1.0, None),
+        ("a.jsonl.gz", 0.5, "Transcribe:"),
+        ("b.jsonl.gz", 1.5, "Say:"),
+    ]
+
+
+def test_a_nested_group_inline_is_flattened_too():
+    nested = ("[{type: group, weight: 4.0, input_cfg: [{type: group, weight: 1.0, input_cfg: "
+              "[{type: lhotse_as_conversation, cuts_path: x}]}, {type: lhotse_as_conversation, cuts_path: y, weight: 3.0}]}]")
+    run, _ = validate_config(compose("dflash", VALID + [f"data.train_ds.input_cfg={nested}"]))
+    assert [(i.cuts_path, i.weight) for i in run.data.train_ds.input_cfg] == [("x", 1.0), ("y", 3.0)]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "data.train_ds.input_cfg='{path}' does not exist; point it at a YAML file holding the list of inputs"),
+        ("type: lhotse_as_conversation\n", "data.train_ds.input_cfg='{path}' holds a dict, not a list of inputs"),
+        ("- {type: group, weight: 1}\n", "data.train_ds.input_cfg[0] is a group without input_cfg"),
+        ("- [unclosed\n", "data.train_ds.input_cfg='{path}' is not valid YAML"),
+    ],
+)
+def test_a_bad_input_yaml_is_a_one_line_error_naming_it(tmp_path, content, message):
+    path = tmp_path / "inputs.yaml"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose("dflash", VALID + [f"data.train_ds.input_cfg={path}"]))
+    assert message.format(path=path) in str(err.value) and "\n" not in str(err.value)

@@ -3,6 +3,7 @@
 import hashlib
 import subprocess
 import sys
+from itertools import islice
 
 import lightning as L
 import pytest
@@ -174,3 +175,26 @@ def test_demo_sentences_are_distinct_and_bounded():
     assert len(set(sentences)) == 400 and all(s[0].isupper() and s.endswith(".") for s in sentences)
     with pytest.raises(ValueError, match="at most 400 distinct demo sentences"):
         demo_sentences(401)
+
+
+def test_an_input_yaml_with_a_group_reaches_the_data_checks_and_the_stream(demo_data, tmp_path, tiny_target,
+                                                                            audio_estimator):
+    """NeMo's ``input_cfg: inputs.yaml`` with a group, through validation and into a real training stream."""
+    from dflash_train.data.module import SpeechDataModule
+
+    train, val = demo_data
+    inputs = tmp_path / "inputs.yaml"
+    inputs.write_text(f"- type: group\n  weight: 1.0\n  input_cfg:\n"
+                      f"    - {{type: lhotse_as_conversation, cuts_path: {train}, weight: 3.0}}\n"
+                      f"    - {{type: lhotse_as_conversation, cuts_path: {val}, weight: 1.0}}\n")
+    cfg = compose("demo", [f"data.train_ds.input_cfg={inputs}", f"data.validation_ds.input_cfg.0.cuts_path={val}"])
+    run, _ = validate_config(cfg)
+    validate_data_config(run.data)
+    assert [(i.cuts_path, i.weight) for i in run.data.train_ds.input_cfg] == [(str(train), 0.75), (str(val), 0.25)]
+    from lhotse import CutSet
+
+    module = SpeechDataModule(run.data, tiny_target.tokenizer, TAG, audio_estimator, seed=0)
+    val_ids = {cut.id for cut in CutSet.from_file(val)}
+    ids = [ex.id for ex in islice(iter(module.train_examples()), 80)]
+    from_val = sum(i in val_ids for i in ids)
+    assert 0 < from_val < len(ids) - from_val, f"{from_val} of {len(ids)} from the 0.25-weight input"

@@ -21,6 +21,7 @@ from typing import Any, Callable, NamedTuple
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from dflash_train.config.nemo_inputs import expand_nemo_inputs
 from dflash_train.config.schema import (
     ATTENTION_BACKENDS,
     LABEL_SOURCES,
@@ -342,6 +343,7 @@ def resolve_nemo_aliases(run: RunConfig) -> None:
 
 def validate_config(cfg: DictConfig) -> ValidatedConfig:
     """Validate a composed recipe; returns the typed config or raises a one-line :class:`ConfigError`."""
+    cfg = expand_nemo_inputs(cfg)
     _check_unknown_keys(cfg, RunConfig)
     run, trainer_kwargs = _typed(cfg)
     resolve_nemo_aliases(run)
