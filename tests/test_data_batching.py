@@ -259,3 +259,42 @@ def test_prefetch_without_workers_is_a_one_line_error(tiny_target, audio_estimat
 
     with pytest.raises(ConfigError, match=r"prefetch_factor=4 needs num_workers > 0"):
         _module(tiny_target, audio_estimator, [_cuts(demo_data[0])], batch_size=2, num_workers=0, prefetch_factor=4)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_exposure_estimate_counts_the_anchors_training_draws(tiny_target, audio_estimator, demo_data, packing):
+    """dflash-exposure's expected anchors against automodel's own sampler on the same real batches."""
+    from nemo_automodel.components.speculative.dflash.core import DFlashTrainerModule
+
+    from dflash_train.data.collate import collate_packed, collate_padded
+    from dflash_train.data.exposure import expected_anchors
+    from dflash_train.data.sampling import build_sampler, train_shuffle
+
+    block, cap = 8, 24
+    module = _module(tiny_target, audio_estimator, [_cuts(demo_data[0])], batch_tokens=900, max_tokens=200,
+                     packing=packing)
+    ds = module.cfg.train_ds
+    sampler = build_sampler(module.train_examples(), ds, train_shuffle(ds), 0, rank=0, world_size=1)
+    core = SimpleNamespace(block_size=block, num_anchors=cap)
+    tag = tiny_target.audio_locator_tag_id
+    torch.manual_seed(0)
+    compared = 0
+    for examples in islice(sampler, 4):
+        examples = list(examples)
+        batch = (collate_packed(examples, "train") if packing else collate_padded(examples, tiny_target.pad_id, "train"))
+        batch = batch.with_placements(tag)
+        spliced = tiny_target.splice_batch(batch, tiny_target.pad_id)
+        doc_ids = spliced.document_ids if packing else torch.where(spliced.attention_mask, 0, -1)
+        layout = document_layout(doc_ids)
+        _, keep = DFlashTrainerModule._sample_anchor_positions(
+            core, spliced.input_ids.shape[1], spliced.loss_mask.float(), torch.device("cpu"),
+            doc_remaining=layout.doc_remaining,
+        )
+        expected = expected_anchors(examples, tag, block, cap, packed=packing)
+        drawn = keep.sum(dim=1).tolist()
+        if packing:  # one row: the draw is random, its size is not
+            assert sum(drawn) == pytest.approx(sum(expected))
+        else:
+            assert drawn == expected
+        compared += len(examples)
+    assert compared > 4

@@ -289,16 +289,16 @@ def _example(num_tokens, supervised, duration):
 
 def test_expected_anchors_follow_the_block_and_cap_rules():
     short, long = _example(20, 10, 2.0), _example(40, 30, 50.0)
-    # padded: width 40, block 4 -> anchors at supervised a <= 36; short row: 10 (positions 10..19), long: 27 -> cap 16
-    assert exposure_estimate.expected_anchors([short, long], -1, 4, 16, packed=False) == [10.0, 16.0]
+    # padded: a block stays inside its own example (a <= len - 4): short 7 (positions 10..16), long 27 -> cap 16
+    assert exposure_estimate.expected_anchors([short, long], -1, 4, 16, packed=False) == [7.0, 16.0]
     # packed: in-document a <= len - 4 -> 7 and 27 valid; 16 drawn from 34
     packed = exposure_estimate.expected_anchors([short, long], -1, 4, 16, packed=True)
     assert packed == pytest.approx([7 * 16 / 34, 27 * 16 / 34])
     estimate = exposure_estimate.estimate_exposure([[short, short], [short, long]], -1, 4, 16, False, 30.0)
     assert (estimate.batches, estimate.short_only_batches, estimate.long_examples) == (2, 1, 1)
-    # a batch of two shorts is 20 wide: 7 anchors each; the denominator keeps that short-only batch
-    assert (estimate.anchors, estimate.long_anchors) == (7 + 7 + 10 + 16, 16)
-    assert estimate.fraction == pytest.approx(16 / 40)
+    # 7 anchors per short example in either batch; the denominator keeps the short-only batch
+    assert (estimate.anchors, estimate.long_anchors) == (7 + 7 + 7 + 16, 16)
+    assert estimate.fraction == pytest.approx(16 / 37)
 
 
 def test_exposure_command_runs_the_recipe_sampler(tiny_salm_dir, demo_data, tmp_path, capsys):

@@ -5,7 +5,7 @@ batch, so a draft can see far less long-audio signal than the example count sugg
 :func:`recipe_batches` runs the recipe's real training sampler (its token budget, bucketing,
 filters, shuffle and seed, as rank 0 of a one-process run; audio is never loaded) and
 :func:`estimate_exposure` counts, per batch, the anchors the DFlash objective can draw
-(docs/evaluation.md: a supervised position with a whole block left in its row / document, at
+(docs/evaluation.md: a supervised position with a whole block left in its own sequence, at
 most ``num_anchors`` per row, drawn uniformly) for each example. The estimate is
 
     expected anchors in examples with audio > threshold / expected anchors in all examples
@@ -38,17 +38,17 @@ def supervised_positions(example: Example, placeholder_id: int) -> np.ndarray:
 def expected_anchors(
     batch: list[Example], placeholder_id: int, block_size: int, num_anchors: int, packed: bool
 ) -> list[float]:
-    """Expected anchors drawn in each example of one batch.
+    """Expected anchors drawn in each example of one batch, by training's rule.
 
-    Padded rows: one row per example, width = the longest example; anchors at supervised
-    positions ``a <= width - block_size``, at most ``num_anchors``. Packed: one row of all
-    examples; a block must stay inside its document (``a <= length - block_size``), and
-    ``num_anchors`` are drawn uniformly from the row's valid positions.
+    An anchor is a supervised position whose whole block stays inside its own sequence
+    (``a <= length - block_size``: padding is no document, so a padded row of a batch's
+    longest example gives a short example no extra anchors). Padded rows: one row per
+    example, at most ``num_anchors`` each. Packed: one row of all examples, ``num_anchors``
+    drawn uniformly from the row's valid positions.
     """
-    width = max(ex.num_tokens for ex in batch)
     valid = []
     for ex in batch:
-        last = (ex.num_tokens if packed else width) - block_size
+        last = ex.num_tokens - block_size
         valid.append(int((supervised_positions(ex, placeholder_id) <= last).sum()))
     if not packed:
         return [float(min(num_anchors, v)) for v in valid]
