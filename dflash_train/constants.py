@@ -25,6 +25,9 @@ WEIGHTS_FILE = "model.safetensors"
 LLM_BACKBONE_DIR = "llm_backbone"
 """Sub-directory of a SALM checkpoint that holds the LLM backbone's HF config."""
 
+MTP_WEIGHT_PREFIX = "llm.mtp."
+"""Where a SpeechLM checkpoint keeps its MTP heads (NeMo's layout: ``llm.mtp.layers.<j>.*``); never target weights."""
+
 SALM_ARCHITECTURE = "DFlashSALMForConditionalGeneration"
 """The architecture name a vLLM-ready target's ``config.json`` carries (our plugin's SALM class)."""
 

@@ -206,3 +206,48 @@ def test_every_entry_reads_the_next_tokens_embedding_and_this_positions_target_s
         assert torch.equal(entry_embeds, sequence[1 : n + 1])
         teacher_forced = TargetSession(target).prefill(sequence[None]).hidden
         torch.testing.assert_close(entry_hidden, teacher_forced[:n], rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def qwen3_with_heads(tmp_path_factory):
+    spec = TinyMTPSpec(backbone="qwen3", echo=True, echo_attention_std=0.1)
+    return build_tiny_mtp_salm(tmp_path_factory.mktemp("qwen3_mtp") / "target", spec)
+
+
+def test_a_salm_with_heads_beside_it_loads_strictly_but_the_heads(qwen3_with_heads, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dflash_train.config.schema import ModelConfig
+    from dflash_train.target.salm import TargetLoadError, load_salm
+
+    salm = load_salm(ModelConfig(pretrained_name=str(qwen3_with_heads)))
+    assert not [k for k in salm.state_dict() if "mtp" in k]
+    broken = tmp_path / "broken"
+    shutil.copytree(qwen3_with_heads, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    del weights["llm.model.norm.weight"]
+    save_file(weights, str(broken / "model.safetensors"))
+    with pytest.raises(TargetLoadError, match=r"missing \['llm.model.norm.weight'\]"):
+        load_salm(ModelConfig(pretrained_name=str(broken)))
+
+
+def test_mtp_heads_beside_a_salm_decode_to_its_greedy_output(qwen3_with_heads, demo_data):
+    from dflash_train.config.schema import ModelConfig
+    from dflash_train.evaluate.loading import load_mtp_heads, load_target
+
+    salm_target = load_target(ModelConfig(pretrained_name=str(qwen3_with_heads)), "cpu", "float32", "bfloat16")
+    step, heads = load_mtp_heads(str(qwen3_with_heads), salm_target, "cpu", "float32")
+    fmt = build_prompt_format("qwen", salm_target.tokenizer, "<|audio|>")
+    inp = InputConfig(type="lhotse_as_conversation", cuts_path=str(demo_data[1]))
+    found = list(read_requests(inp, fmt, AudioTokenEstimator.from_target(salm_target)))
+    rule = StopRule(MAX_NEW, frozenset(default_stop_token_ids(fmt)))
+    accepted = 0
+    for request in found:
+        prompt = prompt_embeddings(salm_target, request.prompt)
+        greedy = greedy_decode(TargetSession(salm_target), prompt, rule)
+        out = speculative_decode(TargetSession(salm_target), MTPProposer(step, salm_target, K), prompt, rule)
+        assert out.token_ids == greedy.token_ids
+        accepted += sum(out.accepted_per_round)
+    assert heads == 2 and accepted > 0

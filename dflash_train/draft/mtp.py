@@ -23,11 +23,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dflash_train.constants import CONFIG_FILE, LLM_BACKBONE_DIR, WEIGHTS_FILE
+from dflash_train.constants import CONFIG_FILE, LLM_BACKBONE_DIR, MTP_WEIGHT_PREFIX, WEIGHTS_FILE
 from dflash_train.errors import ConfigError
 from dflash_train.files import read_json_object
 
-MTP_WEIGHT_PREFIX = "llm.mtp.layers."
+MTP_LAYERS = f"{MTP_WEIGHT_PREFIX}layers."
 
 
 class RMSNorm(nn.Module):
@@ -155,7 +155,7 @@ class MTPStep(nn.Module):
         state = {}
         with safe_open(str(path / WEIGHTS_FILE), "pt") as f:
             for name in f.keys():
-                if name.startswith(MTP_WEIGHT_PREFIX) and "._extra_state" not in name:
+                if name.startswith(MTP_LAYERS) and "._extra_state" not in name:
                     state[_step_name(name, len(step.pattern))] = f.get_tensor(name)
         expected = set(step.state_dict())
         if set(state) != expected:
@@ -167,7 +167,7 @@ class MTPStep(nn.Module):
 
 def _step_name(name: str, modules: int) -> str:
     """Our parameter name for a checkpoint tensor ``llm.mtp.layers.<j>.<rest>`` (NeMo's, vLLM's layout)."""
-    index, rest = name[len(MTP_WEIGHT_PREFIX) :].split(".", 1)
+    index, rest = name[len(MTP_LAYERS) :].split(".", 1)
     j = int(index)
     if j >= modules:
         raise ConfigError(f"checkpoint tensor '{name}' belongs to a second MTP step: distinct heads are not served")

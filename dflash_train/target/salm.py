@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dflash_train.config.schema import ModelConfig
-from dflash_train.constants import CONFIG_FILE, LLM_BACKBONE_DIR, WEIGHTS_FILE
+from dflash_train.constants import CONFIG_FILE, LLM_BACKBONE_DIR, MTP_WEIGHT_PREFIX, WEIGHTS_FILE
 from dflash_train.errors import ConfigError
 from dflash_train.files import check_safetensors, read_json_object, require_directory
 from dflash_train.target.audio import AudioLLM
@@ -139,19 +139,21 @@ def load_salm(model: ModelConfig) -> nn.Module:
         salm = SALM(dict(model.salm))
         log.info("target: built SALM from model.salm (pretrained_weights=%s)", model.salm.get("pretrained_weights"))
     else:
-        if Path(model.pretrained_name).expanduser().exists():
-            check_salm_checkpoint(model.pretrained_name, "model.pretrained_name")
+        local = Path(model.pretrained_name).expanduser()
+        mtp_keys = set()
+        if local.exists():
+            check_salm_checkpoint(local, "model.pretrained_name")
+            mtp_keys = mtp_head_keys(local / WEIGHTS_FILE)
         try:
-            salm = SALM.from_pretrained(model.pretrained_name, strict=model.init_from_checkpoint_strict)
+            # MTP heads stored beside the SALM (llm.mtp.*) are not SALM parameters: load the rest strictly.
+            salm = SALM.from_pretrained(model.pretrained_name, strict=model.init_from_checkpoint_strict and not mtp_keys)
         except RuntimeError as err:
             if "state_dict" not in str(err):
                 raise
-            raise TargetLoadError(
-                f"SALM checkpoint '{model.pretrained_name}' does not match its config.json: {err}; check the "
-                "architecture settings in config.json (pretrained_llm, perception, modality adapter) against "
-                "the checkpoint that wrote the weights"
-            ) from None
-        log.info("target: loaded SALM checkpoint %s", model.pretrained_name)
+            raise _mismatch(model.pretrained_name, err) from None
+        if mtp_keys and model.init_from_checkpoint_strict:
+            _check_all_but_mtp_loaded(salm, local / WEIGHTS_FILE, mtp_keys, model.pretrained_name)
+        log.info("target: loaded SALM checkpoint %s%s", model.pretrained_name, " (MTP heads left out)" if mtp_keys else "")
     if salm.audio_locator_tag != model.audio_locator_tag:
         raise ConfigError(
             f"model.audio_locator_tag='{model.audio_locator_tag}' but the target uses '{salm.audio_locator_tag}'; "
@@ -165,6 +167,33 @@ def load_salm(model: ModelConfig) -> nn.Module:
     if model.init_from_checkpoint is not None:
         load_weights_strictly(salm, model.init_from_checkpoint, strict=model.init_from_checkpoint_strict)
     return salm
+
+
+def mtp_head_keys(weights_file: Path) -> set[str]:
+    """The ``llm.mtp.*`` tensor names of a checkpoint's weights file (a header read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights_file), "pt") as f:
+        return {name for name in f.keys() if name.startswith(MTP_WEIGHT_PREFIX)}
+
+
+def _mismatch(name: str, detail) -> TargetLoadError:
+    return TargetLoadError(
+        f"SALM checkpoint '{name}' does not match its config.json: {detail}; check the architecture settings in "
+        "config.json (pretrained_llm, perception, modality adapter) against the checkpoint that wrote the weights"
+    )
+
+
+def _check_all_but_mtp_loaded(salm: nn.Module, weights_file: Path, mtp_keys: set[str], name: str) -> None:
+    """Strictness for a checkpoint with MTP heads: every SALM parameter was in the file, nothing else but the heads."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights_file), "pt") as f:
+        stored = set(f.keys()) - mtp_keys
+    own = set(salm.state_dict())
+    missing, unexpected = sorted(own - stored), sorted(stored - own)
+    if missing or unexpected:
+        raise _mismatch(name, f"missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -11,6 +11,9 @@ weights and the same tokenizer and perception as :mod:`dflash_train.testing.tiny
     <dir>/llm_backbone/config.json   the Nemotron-H backbone config
 
 The directory is vLLM-ready (serve it with ``{"method": "mtp", "num_speculative_tokens": K}``).
+``--backbone qwen3`` writes the demo's kind of target instead (NeMo's ``SALM`` with a Qwen3 LLM,
+:func:`~dflash_train.testing.tiny_salm.build_tiny_salm`) with the same MTP heads stored beside it
+(what training MTP heads for such a target produces), made vLLM-ready by ``dflash-export-target``.
 
 ``--heads N`` sets ``mtp.num_nextn_predict_layers``; the default stores one MTP step
 (``use_repeated_layer: true``, the layer the trainer applied N times), ``--distinct`` stores N
@@ -39,7 +42,8 @@ from dflash_train.testing.tiny_salm import TinySALMSpec, _train_tokenizer, tiny_
 class TinyMTPSpec:
     """Shape of the tiny MTP SpeechLM: the backbone's layer pattern, the MTP step's and how many steps."""
 
-    backbone_pattern: str = "*-*-"  # attention / MLP only: vLLM-CPU runs neither Mamba spec-decode state nor MoE
+    backbone: str = "nemotron_h"  # or "qwen3": the demo's kind of target (a NeMo SALM) with MTP heads beside it
+    backbone_pattern: str = "*-*-"  # Nemotron-H layers; vLLM-CPU needs "****" (see docs/serving.md)
     mtp_pattern: str = "*"  # one attention sublayer per MTP step (NeMo's default)
     heads: int = 2  # mtp.num_nextn_predict_layers
     distinct: bool = False  # store `heads` separate steps instead of one repeated step
@@ -180,6 +184,10 @@ def build_tiny_mtp_salm(out_dir: str | Path, spec: TinyMTPSpec = TinyMTPSpec()) 
     if spec.heads < 1:
         raise ValueError(f"heads={spec.heads}: an MTP checkpoint has at least one head")
     out_dir = Path(out_dir).resolve()
+    if spec.backbone == "qwen3":
+        return _qwen3_salm_with_heads(out_dir, spec)
+    if spec.backbone != "nemotron_h":
+        raise ValueError(f"backbone={spec.backbone!r}: the tiny builder writes nemotron_h or qwen3")
     (out_dir / LLM_BACKBONE_DIR).mkdir(parents=True, exist_ok=True)
     tok = _train_tokenizer(out_dir, spec.sizes.tokenizer_vocab)
     vocab_size = len(tok) + spec.sizes.spare_embedding_rows
@@ -209,15 +217,44 @@ def build_tiny_mtp_salm(out_dir: str | Path, spec: TinyMTPSpec = TinyMTPSpec()) 
         "audio_locator_tag": AUDIO_LOCATOR_TAG,
         "prompt_format": "qwen",
         "perception": perception_config,
-        "mtp": {
-            "enabled": True,
-            "num_nextn_predict_layers": spec.heads,
-            "use_repeated_layer": not spec.distinct,
-            "hybrid_override_pattern": spec.mtp_pattern,
-        },
+        "mtp": _mtp_block(spec),
     }
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return out_dir
+
+
+def _mtp_block(spec: TinyMTPSpec) -> dict:
+    return {
+        "enabled": True,
+        "num_nextn_predict_layers": spec.heads,
+        "use_repeated_layer": not spec.distinct,
+        "hybrid_override_pattern": spec.mtp_pattern,
+    }
+
+
+def _qwen3_salm_with_heads(out_dir: Path, spec: TinyMTPSpec) -> Path:
+    """The demo's kind of target (NeMo's SALM, Qwen3 LLM) with MTP heads stored beside it, vLLM-ready.
+
+    With ``echo`` the embedding is tied to the LM head (unit rows times 4), as the Nemotron-H builder does.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dflash_train.target.vllm_export import export_target
+    from dflash_train.testing.tiny_salm import build_tiny_salm
+
+    build_tiny_salm(out_dir, spec.sizes)
+    weights = load_file(str(out_dir / WEIGHTS_FILE))
+    if spec.echo:
+        head = weights["llm.lm_head.weight"]
+        weights["llm.lm_head.weight"] = 4.0 * head / head.norm(dim=-1, keepdim=True)
+        weights["embed_tokens.weight"] = weights["llm.lm_head.weight"].clone()
+    weights.update(_mtp_weights(spec, torch.Generator().manual_seed(spec.sizes.seed + 1)))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out_dir / WEIGHTS_FILE))
+    config = json.loads((out_dir / CONFIG_FILE).read_text())
+    config["mtp"] = _mtp_block(spec)
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return export_target(out_dir, out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
         "--echo-attention-std", type=float, default=0.0, help="with --echo: weak attention and hidden-state input"
     )
     parser.add_argument(
+        "--backbone",
+        default=TinyMTPSpec.backbone,
+        choices=["nemotron_h", "qwen3"],
+        help="nemotron_h (NeMo's SpeechLM MTP layout) or qwen3 (a NeMo SALM, the demo's kind of target)",
+    )
+    parser.add_argument(
         "--backbone-pattern",
         default=TinyMTPSpec.backbone_pattern,
         help="Nemotron-H layers: * (attention), - (MLP), M (Mamba)",
@@ -241,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         distinct=args.distinct,
         echo=args.echo,
         echo_attention_std=args.echo_attention_std,
+        backbone=args.backbone,
         backbone_pattern=args.backbone_pattern,
     )
     out = build_tiny_mtp_salm(args.out, spec)

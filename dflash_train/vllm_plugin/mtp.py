@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
+from dflash_train.constants import MTP_WEIGHT_PREFIX
+
 MTP_MODEL_TYPE = "nemo_speechlm_mtp"
 """Model type of the draft config; added to vLLM's ``MTPModelTypes`` so method "mtp" accepts it."""
 
@@ -33,9 +35,6 @@ MTP_ARCHITECTURE = "DFlashSpeechLMMTPModel"
 """The draft architecture registered with vLLM (our name: NeMo's later plugin keeps its own)."""
 
 MTP_MODEL_CLASS = "dflash_train.vllm_plugin.salm_mtp:DFlashSpeechLMMTP"
-
-MTP_WEIGHT_PREFIX = "llm.mtp."
-"""Where a SpeechLM checkpoint keeps its MTP weights; the target model skips them."""
 
 SUBLAYER_TYPES = {"*": "full_attention", "E": "moe"}
 """MTP sublayers vLLM's ``NemotronHMTP`` builds: attention without RoPE (no MLP), and MoE (GPU only)."""

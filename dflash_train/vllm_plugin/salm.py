@@ -39,8 +39,8 @@ from vllm.multimodal.parse import AudioProcessorItems, MultiModalDataItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 from vllm.tokenizers.registry import cached_tokenizer_from_config
 
+from dflash_train.constants import MTP_WEIGHT_PREFIX
 from dflash_train.vllm_plugin.backbone import require_aux_hidden_states
-from dflash_train.vllm_plugin.mtp import MTP_WEIGHT_PREFIX
 
 # vLLM 0.32 tokenizes prompts before multimodal processing (vLLM PRs #53093, #53275, #53610):
 # ``_call_hf_processor`` receives only the multimodal data, and prompt updates are matched on

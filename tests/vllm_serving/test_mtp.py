@@ -42,6 +42,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         "echo": _build(root, "echo", heads=2, echo=True),
         "distinct": _build(root, "distinct", heads=2, distinct=True),
         "weak_echo": _build(root, "weak_echo", heads=2, echo=True, echo_attention_std=0.1),
+        # the demo's kind of target (NeMo SALM, Qwen3 LLM) with heads beside it: what MTP training exports
+        "qwen3_weak_echo": build_tiny_mtp_salm(
+            root / "qwen3_weak_echo", TinyMTPSpec(backbone="qwen3", heads=2, echo=True, echo_attention_std=0.1)
+        ),
     }
 
 
@@ -352,15 +356,13 @@ def test_mtp_serves_from_spawned_engine_processes(checkpoints, validation_cuts, 
 PARITY_DTYPE = "float32"  # as for DFlash parity: bf16 kernels round differently on the two sides
 
 
-@pytest.mark.parametrize("k", (3, 5))
-def test_dflash_eval_reproduces_vllms_mtp_tokens_and_counters(
-    k, checkpoints, requests_, validation_cuts, serving_reports
-):
-    from dflash_train.config.schema import InputConfig
+@pytest.mark.parametrize("name, k", [("weak_echo", 3), ("weak_echo", 5), ("qwen3_weak_echo", 3)])
+def test_dflash_eval_reproduces_vllms_mtp_tokens_and_counters(name, k, checkpoints, requests_, validation_cuts,
+                                                              serving_reports):    from dflash_train.config.schema import InputConfig
     from dflash_train.evaluate.loading import TargetSource
     from dflash_train.evaluate.run import MTP, TARGET_MTP_HEADS, evaluate, prepare
 
-    target = checkpoints["weak_echo"]
+    target = checkpoints[name]
     served_target_only = serve(target, requests_, MAX_TOKENS, dtype=PARITY_DTYPE)
     served = serve(target, requests_, MAX_TOKENS, num_speculative_tokens=k, dtype=PARITY_DTYPE)
     settings, loaded = prepare(
@@ -380,7 +382,7 @@ def test_dflash_eval_reproduces_vllms_mtp_tokens_and_counters(
     assert first_mismatches(served.token_ids, [s.drafts[MTP].token_ids for s in report_.samples]) == {}
     reference, counters = report_.counters(MTP), served.counters
     serving_reports.append(
-        f"MTP parity, K={k} (float32): reference decoder {reference.accepted} accepted / {reference.rounds} rounds, "
+        f"MTP parity, {name}, K={k} (float32): reference decoder {reference.accepted} accepted / {reference.rounds} rounds, "
         f"per position {reference.accepted_per_position}; vLLM {counters.accepted} / {counters.rounds}, "
         f"per position {counters.accepted_per_position}"
     )
