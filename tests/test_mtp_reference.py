@@ -251,3 +251,18 @@ def test_mtp_heads_beside_a_salm_decode_to_its_greedy_output(qwen3_with_heads, d
         assert out.token_ids == greedy.token_ids
         accepted += sum(out.accepted_per_round)
     assert heads == 2 and accepted > 0
+
+
+def test_the_builder_command_writes_the_requested_layout(tmp_path):
+    from safetensors import safe_open
+
+    from dflash_train.testing.tiny_mtp_salm import main
+
+    assert main(["--out", str(tmp_path / "d"), "--heads", "3", "--distinct", "--backbone-pattern", "**"]) == 0
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["mtp"] == {"enabled": True, "num_nextn_predict_layers": 3, "use_repeated_layer": False,
+                             "hybrid_override_pattern": "*"}
+    with safe_open(str(tmp_path / "d" / "model.safetensors"), "pt") as f:
+        steps = {k.split(".")[3] for k in f.keys() if k.startswith("llm.mtp.layers.")}
+        blocks = {k.split(".")[3] for k in f.keys() if k.startswith("llm.model.layers.")}
+    assert steps == {"0", "1", "2"} and blocks == {"0", "1"}
