@@ -38,6 +38,11 @@ from dflash_train.target.vllm_export import EMBEDDED_ASR
 from dflash_train.testing.tiny_salm import TinySALMSpec, _train_tokenizer, tiny_perception_config
 
 
+QWEN3_ECHO_LAYER_STD = 0.2
+"""Layer weights of the Qwen3 echo target: measured to give an echo head 11 % first-position acceptance
+(HF's 0.02 init makes the tied target repeat one token forever; 0.28 leaves the echo head 4 %)."""
+
+
 @dataclass(frozen=True)
 class TinyMTPSpec:
     """Shape of the tiny MTP SpeechLM: the backbone's layer pattern, the MTP step's and how many steps."""
@@ -245,10 +250,14 @@ def _qwen3_salm_with_heads(out_dir: Path, spec: TinyMTPSpec) -> Path:
 
     build_tiny_salm(out_dir, spec.sizes)
     weights = load_file(str(out_dir / WEIGHTS_FILE))
-    if spec.echo:
+    if spec.echo:  # tied unit-row head, and layer weights large enough that output is not one token repeated
+        generator = torch.Generator().manual_seed(spec.sizes.seed)
         head = weights["llm.lm_head.weight"]
         weights["llm.lm_head.weight"] = 4.0 * head / head.norm(dim=-1, keepdim=True)
         weights["embed_tokens.weight"] = weights["llm.lm_head.weight"].clone()
+        for name in sorted(weights):
+            if name.startswith("llm.model.layers.") and name.endswith("_proj.weight"):
+                weights[name] = torch.randn(weights[name].shape, generator=generator) * QWEN3_ECHO_LAYER_STD
     weights.update(_mtp_weights(spec, torch.Generator().manual_seed(spec.sizes.seed + 1)))
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out_dir / WEIGHTS_FILE))
     config = json.loads((out_dir / CONFIG_FILE).read_text())

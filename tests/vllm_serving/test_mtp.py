@@ -358,7 +358,8 @@ PARITY_DTYPE = "float32"  # as for DFlash parity: bf16 kernels round differently
 
 @pytest.mark.parametrize("name, k", [("weak_echo", 3), ("weak_echo", 5), ("qwen3_weak_echo", 3)])
 def test_dflash_eval_reproduces_vllms_mtp_tokens_and_counters(name, k, checkpoints, requests_, validation_cuts,
-                                                              serving_reports):    from dflash_train.config.schema import InputConfig
+                                                              serving_reports):
+    from dflash_train.config.schema import InputConfig
     from dflash_train.evaluate.loading import TargetSource
     from dflash_train.evaluate.run import MTP, TARGET_MTP_HEADS, evaluate, prepare
 
