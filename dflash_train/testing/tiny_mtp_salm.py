@@ -37,7 +37,6 @@ from dflash_train.constants import AUDIO_LOCATOR_TAG, CONFIG_FILE, LLM_BACKBONE_
 from dflash_train.target.vllm_export import EMBEDDED_ASR
 from dflash_train.testing.tiny_salm import TinySALMSpec, _train_tokenizer, tiny_perception_config
 
-
 QWEN3_ECHO_LAYER_STD = 0.2
 """Layer weights of the Qwen3 echo target: measured to give an echo head 11 % first-position acceptance
 (HF's 0.02 init makes the tied target repeat one token forever; 0.28 leaves the echo head 4 %)."""
