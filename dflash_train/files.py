@@ -99,3 +99,20 @@ def sha256_file(path: str | Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def load_state_exactly(module, weights: dict, source: str | Path, part: str) -> None:
+    """Load ``weights`` into ``module`` with no key missing or left over; else one line naming the first ones.
+
+    For a model assembled from a user's checkpoint (``part`` names which tensors, e.g. ``llm.*``),
+    where a partial load would run silently wrong.
+    """
+    from dflash_train.errors import ConfigError
+
+    expected = set(module.state_dict())
+    missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if missing or unexpected:
+        raise ConfigError(
+            f"{source}: the {part} weights do not match the config (missing {missing[:4]}, unexpected {unexpected[:4]})"
+        )
+    module.load_state_dict(weights, strict=True)

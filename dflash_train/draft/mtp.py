@@ -17,17 +17,86 @@ pattern character per step); RMS norms compute in float32, as vLLM's do.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
 from dflash_train.constants import CONFIG_FILE, LLM_BACKBONE_DIR, MTP_WEIGHT_PREFIX, WEIGHTS_FILE
 from dflash_train.errors import ConfigError
-from dflash_train.files import read_json_object
+from dflash_train.files import load_state_exactly, read_json_object
 
 MTP_LAYERS = f"{MTP_WEIGHT_PREFIX}layers."
+
+SUBLAYER_TYPES = {"*": "full_attention", "E": "moe"}
+"""MTP sublayers vLLM's ``NemotronHMTP`` builds: attention without RoPE (no MLP), and MoE (GPU only)."""
+
+_STORED_MODULE = re.compile(rf"^{re.escape(MTP_LAYERS)}(\d+)\.(.+)$")
+
+
+class MTPConfigError(ConfigError):
+    """A SpeechLM MTP checkpoint vLLM's MTP route cannot serve; the message names the key to change."""
+
+
+@dataclass(frozen=True)
+class MTPBlock:
+    """The ``mtp`` block of a SpeechLM config, checked: what vLLM's MTP route serves and the reference runs."""
+
+    heads: int
+    use_repeated_layer: bool
+    pattern: str
+
+    @classmethod
+    def from_block(cls, block: Any, source: str = "config.json") -> Optional["MTPBlock"]:
+        """The settings of an enabled block; ``None`` when MTP is absent or ``enabled`` is false.
+
+        A block of several distinct heads is refused: vLLM never passes a step index to an MTP
+        draft, so every draft position would run head 0 (and the others would never serve).
+        """
+        if block is None:
+            return None
+        if not isinstance(block, Mapping):
+            raise MTPConfigError(
+                f"{source}: mtp must be a mapping (enabled, num_nextn_predict_layers, ...), got {block!r}"
+            )
+        if not block.get("enabled", False):
+            return None
+        heads = block.get("num_nextn_predict_layers", 1)
+        if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+            raise MTPConfigError(f"{source}: mtp.num_nextn_predict_layers must be an integer >= 1, got {heads!r}")
+        repeated = bool(block.get("use_repeated_layer", False))
+        if heads > 1 and not repeated:
+            raise MTPConfigError(
+                f"{source}: mtp.num_nextn_predict_layers={heads} distinct heads with mtp.use_repeated_layer=false; "
+                "vLLM runs one MTP step for every draft position, so only a checkpoint trained with "
+                "use_repeated_layer: true (one layer applied at every step) can be served"
+            )
+        pattern = block.get("hybrid_override_pattern", "*")
+        if not isinstance(pattern, str) or not pattern or set(pattern) - set(SUBLAYER_TYPES):
+            raise MTPConfigError(
+                f"{source}: mtp.hybrid_override_pattern={pattern!r} is not served; vLLM's MTP sublayers are "
+                "'*' (attention) and 'E' (MoE, GPU only), e.g. '*'"
+            )
+        return cls(heads, repeated, pattern)
+
+
+def stored_step_module(name: str, modules_per_step: int) -> tuple[int, str]:
+    """``(j, rest)`` of a checkpoint tensor ``llm.mtp.layers.<j>.<rest>``; a tensor of a second stored step
+    (``j`` past the pattern's modules: distinct heads) is refused."""
+    match = _STORED_MODULE.match(name)
+    if match is None:
+        raise MTPConfigError(f"checkpoint tensor '{name}' is not under {MTP_LAYERS}<j>.")
+    j = int(match.group(1))
+    if j >= modules_per_step:
+        raise MTPConfigError(
+            f"checkpoint tensor '{name}' belongs to a second MTP step: this checkpoint stores distinct heads, "
+            f"but mtp.hybrid_override_pattern has {modules_per_step} sublayer(s) per step and vLLM serves one "
+            "repeated step; retrain with use_repeated_layer: true"
+        )
+    return j, match.group(2)
 
 
 class RMSNorm(nn.Module):
@@ -133,15 +202,9 @@ class MTPStep(nn.Module):
 
         path = Path(path)
         config = read_json_object(path / CONFIG_FILE, "point --target at a SpeechLM checkpoint directory")
-        block = config.get("mtp") or {}
-        if not block.get("enabled", False):
+        block = MTPBlock.from_block(config.get("mtp"), str(path / CONFIG_FILE))
+        if block is None:
             raise ConfigError(f"{path / CONFIG_FILE} has no mtp block with enabled: true: this target has no MTP heads")
-        heads = int(block.get("num_nextn_predict_layers", 1))
-        if heads > 1 and not block.get("use_repeated_layer", False):
-            raise ConfigError(
-                f"{path / CONFIG_FILE}: mtp.num_nextn_predict_layers={heads} distinct heads; the reference decoder, like "
-                "vLLM, runs one repeated step (use_repeated_layer: true)"
-            )
         text = AutoConfig.from_pretrained(path / LLM_BACKBONE_DIR).get_text_config()
         eps = getattr(text, "layer_norm_epsilon", None) or getattr(text, "rms_norm_eps", None) or 1e-5
         step = cls(
@@ -150,27 +213,20 @@ class MTPStep(nn.Module):
             text.num_key_value_heads or text.num_attention_heads,
             getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
             eps,
-            block.get("hybrid_override_pattern", "*"),
+            block.pattern,
         )
         state = {}
         with safe_open(str(path / WEIGHTS_FILE), "pt") as f:
             for name in f.keys():
                 if name.startswith(MTP_LAYERS) and "._extra_state" not in name:
                     state[_step_name(name, len(step.pattern))] = f.get_tensor(name)
-        expected = set(step.state_dict())
-        if set(state) != expected:
-            missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-            raise ConfigError(f"{path / WEIGHTS_FILE}: MTP weights missing {missing[:4]}, unexpected {unexpected[:4]}")
-        step.load_state_dict(state, strict=True)
-        return step.eval(), heads
+        load_state_exactly(step, state, path / WEIGHTS_FILE, "llm.mtp.*")
+        return step.eval(), block.heads
 
 
 def _step_name(name: str, modules: int) -> str:
     """Our parameter name for a checkpoint tensor ``llm.mtp.layers.<j>.<rest>`` (NeMo's, vLLM's layout)."""
-    index, rest = name[len(MTP_LAYERS) :].split(".", 1)
-    j = int(index)
-    if j >= modules:
-        raise ConfigError(f"checkpoint tensor '{name}' belongs to a second MTP step: distinct heads are not served")
+    j, rest = stored_step_module(name, modules)
     if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "final_layernorm"):
         return rest
     return f"layers.{j}." + rest.removeprefix("mixer.")

@@ -26,7 +26,7 @@ from torch import nn
 
 from dflash_train.constants import CONFIG_FILE, LLM_BACKBONE_DIR, SAMPLE_RATE, WEIGHTS_FILE
 from dflash_train.errors import ConfigError
-from dflash_train.files import read_json_object
+from dflash_train.files import load_state_exactly, read_json_object
 from dflash_train.target.audio import AudioLLM
 
 NEMOTRON_H = "nemotron_h"
@@ -85,10 +85,10 @@ class NemotronHSpeechLMTarget(AudioLLM):
         weights = load_file(str(path / WEIGHTS_FILE))
         llm = NemotronHForCausalLM(backbone).to(torch.float32)
         llm_weights = {_hf_name(k): v for k, v in weights.items() if _hf_name(k) is not None}
-        _load_exactly(llm, llm_weights, path / WEIGHTS_FILE, "llm.*")
+        load_state_exactly(llm, llm_weights, path / WEIGHTS_FILE, "llm.*")
         perception = AudioPerceptionModule(DictConfig(config["perception"]))
         perception_weights = {k[len("perception.") :]: v for k, v in weights.items() if k.startswith("perception.")}
-        _load_exactly(perception, perception_weights, path / WEIGHTS_FILE, "perception.*")
+        load_state_exactly(perception, perception_weights, path / WEIGHTS_FILE, "perception.*")
         tokenizer = AutoTokenizer.from_pretrained(path)
         if config["audio_locator_tag"] not in tokenizer.get_vocab():
             raise ConfigError(f"the tokenizer of {path} has no {config['audio_locator_tag']!r} token")
@@ -121,14 +121,3 @@ class NemotronHSpeechLMTarget(AudioLLM):
     @property
     def pad_id(self) -> int:
         return int(self._tokenizer.pad_token_id)
-
-
-def _load_exactly(module: nn.Module, weights: dict[str, torch.Tensor], source: Path, part: str) -> None:
-    """Load ``weights`` into ``module`` with no key missing or left over (one line naming the first ones)."""
-    expected = set(module.state_dict())
-    missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
-    if missing or unexpected:
-        raise ConfigError(
-            f"{source}: the {part} weights do not match the config (missing {missing[:4]}, unexpected {unexpected[:4]})"
-        )
-    module.load_state_dict(weights, strict=True)

@@ -22,11 +22,10 @@ without vLLM, so the checkpoint rules are testable in the main environment.
 from __future__ import annotations
 
 import copy
-import re
-from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from dflash_train.constants import MTP_WEIGHT_PREFIX
+from dflash_train.draft.mtp import SUBLAYER_TYPES, MTPBlock, MTPConfigError, stored_step_module
 
 MTP_MODEL_TYPE = "nemo_speechlm_mtp"
 """Model type of the draft config; added to vLLM's ``MTPModelTypes`` so method "mtp" accepts it."""
@@ -36,58 +35,12 @@ MTP_ARCHITECTURE = "DFlashSpeechLMMTPModel"
 
 MTP_MODEL_CLASS = "dflash_train.vllm_plugin.salm_mtp:DFlashSpeechLMMTP"
 
-SUBLAYER_TYPES = {"*": "full_attention", "E": "moe"}
-"""MTP sublayers vLLM's ``NemotronHMTP`` builds: attention without RoPE (no MLP), and MoE (GPU only)."""
-
 SALM_MODEL_TYPE = "nemo_speechlm"
 HOOK_MARKER = "_dflash_speechlm_mtp_hook"
-_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
-class MTPConfigError(ValueError):
-    """A SpeechLM MTP checkpoint vLLM's MTP route cannot serve; the message names the key to change."""
-
-
-@dataclass(frozen=True)
-class SpeechLMMTP:
-    """The ``mtp`` block of a SpeechLM config, checked: what vLLM's MTP route will serve."""
-
-    heads: int
-    use_repeated_layer: bool
-    pattern: str
-
-    @classmethod
-    def from_block(cls, block: Any, source: str = "config.json") -> Optional["SpeechLMMTP"]:
-        """The settings of an enabled block; ``None`` when MTP is absent or ``enabled`` is false.
-
-        A block of several distinct heads is refused: vLLM never passes a step index to an MTP
-        draft, so every draft position would run head 0 (and the others would never serve).
-        """
-        if block is None:
-            return None
-        if not isinstance(block, Mapping):
-            raise MTPConfigError(
-                f"{source}: mtp must be a mapping (enabled, num_nextn_predict_layers, ...), got {block!r}"
-            )
-        if not block.get("enabled", False):
-            return None
-        heads = block.get("num_nextn_predict_layers", 1)
-        if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
-            raise MTPConfigError(f"{source}: mtp.num_nextn_predict_layers must be an integer >= 1, got {heads!r}")
-        repeated = bool(block.get("use_repeated_layer", False))
-        if heads > 1 and not repeated:
-            raise MTPConfigError(
-                f"{source}: mtp.num_nextn_predict_layers={heads} distinct heads with mtp.use_repeated_layer=false; "
-                "vLLM runs one MTP step for every draft position, so only a checkpoint trained with "
-                "use_repeated_layer: true (one layer applied at every step) can be served"
-            )
-        pattern = block.get("hybrid_override_pattern", "*")
-        if not isinstance(pattern, str) or not pattern or set(pattern) - set(SUBLAYER_TYPES):
-            raise MTPConfigError(
-                f"{source}: mtp.hybrid_override_pattern={pattern!r} is not served; vLLM's MTP sublayers are "
-                "'*' (attention) and 'E' (MoE, GPU only), e.g. '*'"
-            )
-        return cls(heads, repeated, pattern)
+class SpeechLMMTP(MTPBlock):
+    """The checked ``mtp`` block (:class:`~dflash_train.draft.mtp.MTPBlock`) and the draft config vLLM builds from it."""
 
     def draft_text_config(self, text_config: Any) -> Any:
         """The language config vLLM's ``NemotronHMTP`` builds the draft from (one physical step).
@@ -233,16 +186,8 @@ def mtp_checkpoint_weights(
             continue
         if not name.startswith(MTP_WEIGHT_PREFIX):
             continue
-        name = name[len("llm.") :]
-        layer = _LAYER.match(name)
-        if layer is None:
-            raise MTPConfigError(f"checkpoint tensor 'llm.{name}' is not under llm.mtp.layers.<j>.")
-        if int(layer.group(1)) >= modules_per_step:
-            raise MTPConfigError(
-                f"checkpoint tensor 'llm.{name}' belongs to a second MTP step: this checkpoint stores distinct heads, "
-                f"but mtp.hybrid_override_pattern has {modules_per_step} sublayer(s) per step and vLLM serves one "
-                "repeated step; retrain with use_repeated_layer: true"
-            )
+        j, rest = stored_step_module(name, modules_per_step)
+        name = f"mtp.layers.{j}.{rest}"
         if name.endswith((".experts.down_projs", ".experts.gate_and_up_projs")):
             stem, packed = name.rsplit(".experts.", 1)
             projection = "down_proj" if packed == "down_projs" else "up_proj"
