@@ -140,10 +140,11 @@ def load_salm(model: ModelConfig) -> nn.Module:
         log.info("target: built SALM from model.salm (pretrained_weights=%s)", model.salm.get("pretrained_weights"))
     else:
         local = Path(model.pretrained_name).expanduser()
-        mtp_keys = set()
+        stored: set[str] = set()
         if local.exists():
             check_salm_checkpoint(local, "model.pretrained_name")
-            mtp_keys = mtp_head_keys(local / WEIGHTS_FILE)
+            stored = stored_tensor_names(local / WEIGHTS_FILE)
+        mtp_keys = {name for name in stored if name.startswith(MTP_WEIGHT_PREFIX)}
         try:
             # MTP heads stored beside the SALM (llm.mtp.*) are not SALM parameters: load the rest strictly.
             salm = SALM.from_pretrained(model.pretrained_name, strict=model.init_from_checkpoint_strict and not mtp_keys)
@@ -152,7 +153,7 @@ def load_salm(model: ModelConfig) -> nn.Module:
                 raise
             raise _mismatch(model.pretrained_name, err) from None
         if mtp_keys and model.init_from_checkpoint_strict:
-            _check_all_but_mtp_loaded(salm, local / WEIGHTS_FILE, mtp_keys, model.pretrained_name)
+            _check_all_but_mtp_loaded(salm, stored - mtp_keys, model.pretrained_name)
         log.info("target: loaded SALM checkpoint %s%s", model.pretrained_name, " (MTP heads left out)" if mtp_keys else "")
     if salm.audio_locator_tag != model.audio_locator_tag:
         raise ConfigError(
@@ -169,12 +170,12 @@ def load_salm(model: ModelConfig) -> nn.Module:
     return salm
 
 
-def mtp_head_keys(weights_file: Path) -> set[str]:
-    """The ``llm.mtp.*`` tensor names of a checkpoint's weights file (a header read)."""
+def stored_tensor_names(weights_file: Path) -> set[str]:
+    """The tensor names of a checkpoint's weights file (a header read)."""
     from safetensors import safe_open
 
     with safe_open(str(weights_file), "pt") as f:
-        return {name for name in f.keys() if name.startswith(MTP_WEIGHT_PREFIX)}
+        return set(f.keys())
 
 
 def _mismatch(name: str, detail) -> TargetLoadError:
@@ -184,12 +185,9 @@ def _mismatch(name: str, detail) -> TargetLoadError:
     )
 
 
-def _check_all_but_mtp_loaded(salm: nn.Module, weights_file: Path, mtp_keys: set[str], name: str) -> None:
-    """Strictness for a checkpoint with MTP heads: every SALM parameter was in the file, nothing else but the heads."""
-    from safetensors import safe_open
-
-    with safe_open(str(weights_file), "pt") as f:
-        stored = set(f.keys()) - mtp_keys
+def _check_all_but_mtp_loaded(salm: nn.Module, stored: set[str], name: str) -> None:
+    """Strictness for a checkpoint with MTP heads: every SALM parameter was among the ``stored`` tensors
+    (the file's, heads left out), and nothing else was."""
     own = set(salm.state_dict())
     missing, unexpected = sorted(own - stored), sorted(stored - own)
     if missing or unexpected:
