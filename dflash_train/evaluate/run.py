@@ -152,7 +152,7 @@ def prepare(
         dtype=dtype,
         device=device,
         perception_dtype=perception_dtype,
-        draft_sha256={name: weights_digest(_weights_of(path, context)) for name, path in drafts.items()},
+        draft_sha256={name: weights_digest(_weights_of(path, context.checkpoint())) for name, path in drafts.items()},
         draft_training_steps={
             name: None if path == TARGET_MTP_HEADS else export_training_step(path) for name, path in drafts.items()
         },
@@ -162,9 +162,9 @@ def prepare(
     return settings, Loaded(context, loaded_drafts)
 
 
-def _weights_of(path: str, context: TargetContext) -> str:
+def _weights_of(path: str, target_checkpoint: Optional[str]) -> str:
     """The directory whose weights a draft's numbers depend on: the export, or the target for its MTP heads."""
-    return context.checkpoint() if path == TARGET_MTP_HEADS else path
+    return target_checkpoint if path == TARGET_MTP_HEADS else path
 
 
 def reload(settings: EvalSettings) -> Loaded:
@@ -172,11 +172,10 @@ def reload(settings: EvalSettings) -> Loaded:
 
     A draft export whose weights changed since is an error: its numbers would not pool.
     """
-    target_dir = settings.target.checkpoint
     changed = [
         name
         for name, sha in settings.draft_sha256.items()
-        if weights_digest(target_dir if settings.drafts[name] == TARGET_MTP_HEADS else settings.drafts[name]) != sha
+        if weights_digest(_weights_of(settings.drafts[name], settings.target.checkpoint)) != sha
     ]
     if changed:
         raise ConfigError(f"the weights of draft(s) {changed} changed since the report was written; evaluate anew")
