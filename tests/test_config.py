@@ -152,8 +152,10 @@ def test_nemos_packing_keys_mean_packing(nemo_keys):
     ],
 )
 def test_contradicting_nemo_keys_are_one_line_errors(overrides, message):
+    from dflash_train.data.validate import check_data_rules
+
     with pytest.raises(ConfigError) as err:
-        validate_config(compose("dflash", VALID + [INPUT, *overrides]))
+        check_data_rules(validate_config(compose("dflash", VALID + [INPUT, *overrides])).run.data)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from dflash_train.config.nemo_inputs import expand_nemo_inputs
+from dflash_train.config.nemo_inputs import SPLITS, expand_nemo_inputs
 from dflash_train.config.schema import (
     ATTENTION_BACKENDS,
     LABEL_SOURCES,
@@ -182,7 +182,7 @@ def _importable(package: str) -> bool:
 def _foreign_audio_tags(run: RunConfig) -> list[str]:
     """``data.<split>.input_cfg[i].audio_locator_tag='...'`` for every input tag that is not the target's."""
     found = []
-    for split in ("train_ds", "validation_ds"):
+    for split in SPLITS:
         ds = getattr(run.data, split)
         for i, inp in enumerate(ds.input_cfg if ds is not None else []):
             if inp.audio_locator_tag is not None and inp.audio_locator_tag != run.model.audio_locator_tag:
@@ -307,10 +307,11 @@ def resolve_nemo_aliases(run: RunConfig) -> None:
     ``model.packed_sequences`` and ``data.<split>.use_packed_sequence_sampling`` are NeMo's names
     for ``packing`` (``packing: false`` is the default, so only a NeMo key saying false against
     packing saying true is a contradiction); ``use_multimodal_sampling: true`` is token-budget
-    batching (``batch_tokens``), ``false`` batching by sample count (``batch_size``).
+    batching (``batch_tokens``), ``false`` batching by sample count (``batch_size``). What packing
+    itself requires is checked with the other data rules (:mod:`dflash_train.data.validate`).
     """
     model_packed = run.model.packed_sequences
-    for split in ("train_ds", "validation_ds"):
+    for split in SPLITS:
         ds = getattr(run.data, split)
         if ds is None:
             continue
@@ -334,11 +335,6 @@ def resolve_nemo_aliases(run: RunConfig) -> None:
                 ds.batch_size is not None and ds.batch_tokens is None,
                 f"{key}.use_multimodal_sampling=false batches by sample count: set batch_size and batch_tokens=null",
             )
-        _require(
-            not (ds.packing and ds.batch_size is not None),
-            f"{key}.batch_size={ds.batch_size} with packing: a packed row is filled to batch_tokens, not by a sample "
-            "count; remove batch_size",
-        )
 
 
 def validate_config(cfg: DictConfig) -> ValidatedConfig:

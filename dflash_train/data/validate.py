@@ -52,6 +52,11 @@ def _check_split(ds: DatasetConfig, key: str) -> None:
         _check_input(inp, f"{key}.input_cfg[{i}]")
     if ds.packing:
         _require(ds.batch_tokens is not None, f"{key}.packing=true needs batch_tokens (the packed row length)")
+        _require(
+            ds.batch_size is None,
+            f"{key}.batch_size={ds.batch_size} with packing: a packed row is filled to batch_tokens, not by a sample "
+            "count; remove batch_size",
+        )
     _require(
         ds.batch_size is not None or ds.batch_tokens is not None,
         f"{key}: set batch_tokens (token budget) or batch_size (samples per batch)",
