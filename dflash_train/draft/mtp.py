@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -126,12 +126,24 @@ class AttentionSublayer(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[..., heads, n, D]``, keys and values ``[..., kv_heads, n, D]`` of ``x`` ``[..., n, H]``."""
+        n = x.shape[-2]
+
+        def heads(t: torch.Tensor, count: int) -> torch.Tensor:
+            return t.view(*t.shape[:-2], n, count, self.head_dim).transpose(-3, -2)
+
+        return heads(self.q_proj(x), self.heads), heads(self.k_proj(x), self.kv_heads), heads(self.v_proj(x), self.kv_heads)
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """``o_proj`` of attention outputs ``[..., heads, n, D]``: ``[..., n, H]``."""
+        merged = attended.transpose(-3, -2)
+        return self.o_proj(merged.reshape(*merged.shape[:-2], self.heads * self.head_dim))
+
     def forward(self, x: torch.Tensor, cache: Optional["KVCache"]) -> torch.Tensor:
         """``x`` ``[n, H]`` at the positions after ``cache``'s; appends their keys and values to it."""
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1)
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        q, k, v = self.project(x)
         past = 0
         if cache is not None:
             past = cache.length
@@ -140,7 +152,7 @@ class AttentionSublayer(nn.Module):
         out = nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
         )
-        return self.o_proj(out.transpose(0, 1).reshape(n, self.heads * self.head_dim))
+        return self.output(out)
 
 
 class KVCache:
@@ -183,16 +195,44 @@ class MTPStep(nn.Module):
     def new_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
 
+    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The step's input ``eh_proj(cat[enorm(embeds), hnorm(hidden)])`` (the embedding half first)."""
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+
+    def run_sublayers(self, x: torch.Tensor, attend: Callable[[int, AttentionSublayer, torch.Tensor], torch.Tensor]):
+        """The pre-norm residual stack on the fused input ``x``, ending in ``final_layernorm``;
+        ``attend(i, sublayer, normed)`` is sublayer ``i``'s attention (cached decoding or training masks)."""
+        residual = None
+        for i, layer in enumerate(self.layers):
+            residual = x if residual is None else x + residual
+            x = attend(i, layer, layer.norm(residual))
+        return self.final_layernorm(x + residual)
+
     def forward(
         self, embeds: torch.Tensor, hidden: torch.Tensor, cache: Optional[list[KVCache]] = None
     ) -> torch.Tensor:
         """Outputs ``[n, H]`` for ``n`` positions (``embeds``: next-token embeddings, ``hidden``: states)."""
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        residual = None
-        for i, layer in enumerate(self.layers):
-            residual = x if residual is None else x + residual
-            x = layer(layer.norm(residual), cache[i] if cache is not None else None)
-        return self.final_layernorm(x + residual)
+        return self.run_sublayers(
+            self.fuse(embeds, hidden), lambda i, layer, x: layer(x, cache[i] if cache is not None else None)
+        )
+
+    @classmethod
+    def for_llm(cls, text_config, pattern: str = "*") -> "MTPStep":
+        """A freshly initialised step shaped after an LLM's text config (its hidden size, heads and norm eps)."""
+        eps = getattr(text_config, "layer_norm_epsilon", None) or getattr(text_config, "rms_norm_eps", None) or 1e-5
+        return cls(
+            text_config.hidden_size,
+            text_config.num_attention_heads,
+            text_config.num_key_value_heads or text_config.num_attention_heads,
+            getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads,
+            eps,
+            pattern,
+        )
+
+    def checkpoint_state(self, state: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+        """``state`` (default: this step's own) under NeMo's names ``llm.mtp.layers.<j>.*``, on the CPU."""
+        state = self.state_dict() if state is None else state
+        return {checkpoint_name(name, len(self.pattern)): t.detach().cpu().contiguous() for name, t in state.items()}
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> tuple["MTPStep", int]:
@@ -205,16 +245,7 @@ class MTPStep(nn.Module):
         block = MTPBlock.from_block(config.get("mtp"), str(path / CONFIG_FILE))
         if block is None:
             raise ConfigError(f"{path / CONFIG_FILE} has no mtp block with enabled: true: this target has no MTP heads")
-        text = AutoConfig.from_pretrained(path / LLM_BACKBONE_DIR).get_text_config()
-        eps = getattr(text, "layer_norm_epsilon", None) or getattr(text, "rms_norm_eps", None) or 1e-5
-        step = cls(
-            text.hidden_size,
-            text.num_attention_heads,
-            text.num_key_value_heads or text.num_attention_heads,
-            getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
-            eps,
-            block.pattern,
-        )
+        step = cls.for_llm(AutoConfig.from_pretrained(path / LLM_BACKBONE_DIR).get_text_config(), block.pattern)
         state = {}
         with safe_open(str(path / WEIGHTS_FILE), "pt") as f:
             for name in f.keys():
@@ -224,9 +255,23 @@ class MTPStep(nn.Module):
         return step.eval(), block.heads
 
 
+_FUSION_AND_FINAL = ("enorm", "hnorm", "eh_proj", "final_layernorm")
+
+
 def _step_name(name: str, modules: int) -> str:
     """Our parameter name for a checkpoint tensor ``llm.mtp.layers.<j>.<rest>`` (NeMo's, vLLM's layout)."""
     j, rest = stored_step_module(name, modules)
-    if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "final_layernorm"):
+    if rest.split(".")[0] in _FUSION_AND_FINAL:
         return rest
     return f"layers.{j}." + rest.removeprefix("mixer.")
+
+
+def checkpoint_name(name: str, modules: int) -> str:
+    """NeMo's checkpoint name of our step parameter ``name``: the fusion in the first module, the final
+    norm in the last, each sublayer's projections under ``mixer.`` (the inverse of reading a checkpoint)."""
+    head = name.split(".")[0]
+    if head in _FUSION_AND_FINAL:
+        j = modules - 1 if head == "final_layernorm" else 0
+        return f"{MTP_LAYERS}{j}.{name}"
+    _, j, rest = name.split(".", 2)
+    return f"{MTP_LAYERS}{j}.{rest}" if rest.startswith("norm.") else f"{MTP_LAYERS}{j}.mixer.{rest}"

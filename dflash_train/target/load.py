@@ -23,9 +23,13 @@ class LoadedTarget(NamedTuple):
 
 def load_target_for_run(run: RunConfig) -> LoadedTarget:
     """Check taps and mask id against the target's config files, then load and freeze the target."""
+    from dflash_train.variants import variant_named
+
     dims = read_target_dims(run.model)
     d = run.dflash
-    if d.target_layer_ids is None:
+    if not variant_named(d.variant).uses_taps:
+        layer_ids = []  # the draft reads the target's final hidden state, not taps
+    elif d.target_layer_ids is None:
         layer_ids = derive_target_layer_ids(dims.num_layers, d.draft_num_hidden_layers)
         log.info("dflash.target_layer_ids derived from target depth %d: %s", dims.num_layers, layer_ids)
     else:

@@ -29,8 +29,10 @@ class TapRecorder:
         self.layer_ids = list(layer_ids)
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def features(self) -> torch.Tensor:
-        """Tapped states concatenated in ``layer_ids`` order: ``[B, S, len(layer_ids) * H]``."""
+    def features(self) -> torch.Tensor | None:
+        """Tapped states concatenated in ``layer_ids`` order: ``[B, S, len(layer_ids) * H]`` (``None``: no taps)."""
+        if not self.layer_ids:
+            return None
         missing = [i for i in self.layer_ids if i not in self.outputs]
         if missing:
             raise RuntimeError(f"decoder blocks {missing} did not run; the forward stopped before them")
@@ -48,7 +50,7 @@ def record_taps(
     mistaken for an error.
     """
     recorder = TapRecorder(layer_ids)
-    last = max(layer_ids)
+    last = max(layer_ids, default=None)
     handles = []
 
     def make_hook(index: int):

@@ -76,13 +76,18 @@ def _causal_lm_architecture(model_type: str) -> str:
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
 
 
-def export_target(src: str | Path, out: str | Path) -> Path:
-    """Write the vLLM-ready SALM directory ``out`` from the SALM checkpoint ``src`` (may be the same dir)."""
+def export_target(src: str | Path, out: str | Path, location: str | Path | None = None) -> Path:
+    """Write the vLLM-ready SALM directory ``out`` from the SALM checkpoint ``src`` (may be the same dir).
+
+    ``location`` is where the directory will be served from when ``out`` is a staging directory
+    renamed there afterwards (``config.json``'s absolute paths point at it); default ``out``.
+    """
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash_train.target.salm import check_salm_checkpoint
 
     src, out = Path(src).resolve(), Path(out).resolve()
+    served = Path(location).resolve() if location is not None else out
     if src.is_dir() and (not (src / CONFIG_FILE).exists() or not (src / WEIGHTS_FILE).exists()):
         raise TargetExportError(f"'{src}' is not a SALM checkpoint: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
     check_salm_checkpoint(src, "SOURCE")  # complete weights, parseable config: checked before anything is written
@@ -110,8 +115,8 @@ def export_target(src: str | Path, out: str | Path) -> Path:
     cfg.update(
         architectures=[SALM_ARCHITECTURE],
         model_type="nemo_speechlm",
-        pretrained_llm=str(out / LLM_BACKBONE_DIR),
-        tokenizer_path=str(out),
+        pretrained_llm=str(served / LLM_BACKBONE_DIR),
+        tokenizer_path=str(served),
         pretrained_asr=cfg.get("pretrained_asr") or EMBEDDED_ASR,
         pretrained_weights=False,
     )
@@ -171,4 +176,10 @@ def draft_speculative_tokens(draft: str | Path) -> int:
 def serve_command(target: str | Path, draft: str | Path, num_speculative_tokens: int) -> str:
     """The ``vllm serve`` line for ``target`` with the draft export ``draft`` (K = block_size - 1)."""
     spec = json.dumps({"method": "dflash", "model": str(draft), "num_speculative_tokens": num_speculative_tokens})
+    return f"vllm serve {target} --trust-remote-code --speculative-config '{spec}'"
+
+
+def mtp_serve_command(target: str | Path, num_speculative_tokens: int) -> str:
+    """The ``vllm serve`` line for a SpeechLM target that carries its own MTP heads (no draft directory)."""
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": num_speculative_tokens})
     return f"vllm serve {target} --trust-remote-code --speculative-config '{spec}'"

@@ -23,7 +23,7 @@ import torch
 from dflash_train.data.batch import SpeechBatch
 from dflash_train.data.packing import document_layout
 from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE
-from dflash_train.draft.build import DraftSpec, anchor_count_multiple, build_trainer_core
+from dflash_train.draft.build import DraftSpec
 from dflash_train.errors import ConfigError, NonFiniteTrainingError
 from dflash_train.target.base import FrozenTarget
 from dflash_train.training.metrics import (
@@ -86,6 +86,7 @@ class StepInputs:
     position_ids: torch.Tensor
     seq_lens: torch.Tensor
     doc_remaining: torch.Tensor
+    embeds: Optional[torch.Tensor] = None  # token embeddings, audio frames' at audio positions (no-tap variants)
 
 
 def pad_to_multiple(inputs: StepInputs, multiple: int) -> StepInputs:
@@ -112,11 +113,13 @@ def pad_to_multiple(inputs: StepInputs, multiple: int) -> StepInputs:
         position_ids=pad(inputs.position_ids, 0),
         seq_lens=inputs.seq_lens,
         doc_remaining=pad(inputs.doc_remaining, -1),
+        embeds=None if inputs.embeds is None else pad(inputs.embeds, 0),
     )
 
 
 class DFlashDraftModule(L.LightningModule):
-    """Trains ``draft`` on the frozen ``target``'s taps with nemo_automodel's trainer core."""
+    """Trains ``draft`` on the frozen ``target`` with its variant's trainer core (nemo_automodel's for
+    DFlash / DFlash2, :class:`~dflash_train.draft.mtp_objective.MTPTrainerCore` for MTP)."""
 
     def __init__(self, target: FrozenTarget, draft: torch.nn.Module, spec: DraftSpec, settings: ModuleSettings):
         super().__init__()
@@ -124,13 +127,7 @@ class DFlashDraftModule(L.LightningModule):
         object.__setattr__(self, "target", target)
         self.spec = spec
         self.settings = settings
-        self.core = build_trainer_core(
-            draft,
-            target,
-            spec,
-            settings.attention_backend,
-            anchor_multiple=anchor_count_multiple(spec.cfg.block_size) if settings.pads_shapes else None,
-        )
+        self.core = spec.variant.build_core(draft, target, spec, settings.attention_backend, settings.pads_shapes)
         self.skip_counts: Counter[str] = Counter()
         self._sharded = False  # FSDP2 has sharded the draft (configure_model)
         self.nonfinite_steps = 0  # optimizer steps not applied for a NaN / infinite gradient
@@ -216,39 +213,48 @@ class DFlashDraftModule(L.LightningModule):
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, batch: SpeechBatch) -> StepInputs:
-        """Splice audio, tap the target, choose labels and lay out documents."""
+        """Splice audio, run the target (taps, or its final hidden state), choose labels and lay out documents."""
         target = self.target
         spliced = target.splice_batch(batch, self.spec.mask_token_id)
         packed = spliced.document_ids is not None
         doc_ids = spliced.document_ids if packed else torch.where(spliced.attention_mask, 0, -1)
         layout = document_layout(doc_ids)
         argmax = self.settings.label_source == "target_argmax"
+        taps_features = self.spec.variant.uses_taps
         taps = target.forward_taps(
             spliced.inputs_embeds,
             None if packed else spliced.attention_mask,
-            self.settings.layer_ids,
-            return_last_hidden=argmax,
+            self.settings.layer_ids if taps_features else [],
+            return_last_hidden=argmax or not taps_features,
             position_ids=layout.position_ids if packed else None,
             document_ids=doc_ids if packed else None,
         )
         ids = spliced.input_ids
         if argmax:
             ids = target_argmax_labels(ids, spliced.loss_mask, taps.last_hidden, target.lm_head)
-        inputs = StepInputs(ids, taps.features, spliced.loss_mask, layout.position_ids, layout.seq_lens, layout.doc_remaining)
+        features, embeds = taps.features, None
+        if not taps_features:  # the final hidden state, and the embeddings of the (label) tokens
+            features = taps.last_hidden
+            with torch.no_grad():
+                embeds = torch.where(spliced.audio_mask[..., None], spliced.inputs_embeds, target.embed_tokens(ids))
+        inputs = StepInputs(
+            ids, features, spliced.loss_mask, layout.position_ids, layout.seq_lens, layout.doc_remaining, embeds
+        )
         if self.settings.pads_shapes:
             inputs = pad_to_multiple(inputs, FLEX_LENGTH_MULTIPLE)
         return inputs
 
     def has_valid_anchor(self, inputs: StepInputs) -> bool:
-        """Whether any row holds a supervised position with a full block left in its document."""
-        block = self.spec.cfg.block_size
-        return bool((inputs.loss_mask & (inputs.doc_remaining >= block - 1)).any())
+        """Whether any row holds an anchor of this variant (DFlash: a supervised position with a full block
+        left in its document)."""
+        return self.spec.variant.has_valid_anchor(self.spec.cfg, inputs.loss_mask, inputs.doc_remaining)
 
     def run_core(self, inputs: StepInputs, rng_key: int):
         """One trainer-core forward; anchor sampling is seeded by ``rng_key`` so resumes are exact."""
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(rng_key)
+            extra = {} if inputs.embeds is None else {"embeds": inputs.embeds}
             return self.core(
                 inputs.input_ids,
                 inputs.features,
@@ -256,6 +262,7 @@ class DFlashDraftModule(L.LightningModule):
                 position_ids=inputs.position_ids,
                 seq_lens=inputs.seq_lens,
                 doc_remaining=inputs.doc_remaining,
+                **extra,
             )
 
     def _rng_key(self, step: int, batch_idx: int, stream: int) -> int:
@@ -270,7 +277,7 @@ class DFlashDraftModule(L.LightningModule):
         runs the same forward and backward and therefore the same collectives (FSDP2's
         all-gathers and reduce-scatters, DDP's gradient all-reduce).
         """
-        length = self.spec.cfg.block_size
+        length = self.spec.variant.placeholder_length(self.spec.cfg)
         device = like.input_ids.device
         layout = document_layout(torch.zeros(1, length, dtype=torch.long, device=device))
         return StepInputs(
@@ -280,6 +287,7 @@ class DFlashDraftModule(L.LightningModule):
             position_ids=layout.position_ids,
             seq_lens=layout.seq_lens,
             doc_remaining=layout.doc_remaining,
+            embeds=None if like.embeds is None else like.embeds.new_zeros(1, length, like.embeds.shape[-1]),
         )
 
     def _forward_core(self, inputs: StepInputs, rng_key: int):

@@ -20,9 +20,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from dflash_train.atomic import AtomicCheckpointIO, atomic_directory
 from dflash_train.config.schema import LIGHTNING_PRECISION, RunConfig
 from dflash_train.config.validate import ValidatedConfig
-from dflash_train.constants import speculative_tokens
-from dflash_train.draft.build import DraftSpec, build_draft, warm_start
-from dflash_train.draft.export import full_state_dict, verify_export, write_export
+from dflash_train.draft.build import DraftSpec
+from dflash_train.draft.export import full_state_dict
 from dflash_train.errors import ConfigError
 from dflash_train.files import check_writable_directory
 from dflash_train.target import load_target_for_run
@@ -69,14 +68,12 @@ class TrainSummary:
         if self.export_dir is None:
             lines.append("no final export (training did not finish); resume from the last checkpoint")
             return lines
-        from dflash_train.target.vllm_export import serve_command
-
-        target = serve_target or "<vLLM-ready target: dflash-export-target SALM_CKPT OUT>"
+        variant = variant_named(run.dflash.variant)
         lines += [
             f"export: {self.export_dir}",
-            "serve: " + serve_command(target, self.export_dir.resolve(), speculative_tokens(run.dflash.block_size)),
+            "serve: " + variant.serve_command(self.export_dir, serve_target, run.dflash),
         ]
-        note = variant_named(run.dflash.variant).serving_note
+        note = variant.serving_note
         if note:
             lines.append(f"note: {note}")
         return lines
@@ -140,15 +137,17 @@ def build_strategy(run: RunConfig, accelerator: str, trainer_kwargs: dict):
 
 
 class ExportOnTrainEnd(Callback):
-    """Write the draft-only HF export when training ends, reload it strictly and compare.
+    """Write the variant's serving export when training ends, reload it strictly and compare (DFlash: the
+    draft-only HF directory; MTP: the target's directory with the trained heads).
 
     The export is written and verified in a directory beside ``out_dir`` and renamed into
     place only when it matches, so ``out_dir`` always holds a whole export (or none). A
     preempted run writes no export: it has not finished.
     """
 
-    def __init__(self, out_dir: Path, preemption: Optional[PreemptionCheckpoint] = None,
+    def __init__(self, run: RunConfig, out_dir: Path, preemption: Optional[PreemptionCheckpoint] = None,
                  provenance: Optional[ProvenanceRecord] = None):
+        self.run = run
         self.out_dir = out_dir
         self.preemption = preemption
         self.provenance = provenance
@@ -161,8 +160,8 @@ class ExportOnTrainEnd(Callback):
         if trainer.is_global_zero:
             with atomic_directory(self.out_dir) as staging:
                 info = self.provenance.training_info(trainer.global_step) if self.provenance else None
-                write_export(staging, pl_module.draft.config, state, training_info=info)
-                count = verify_export(staging, state)
+                variant = pl_module.spec.variant
+                count = variant.write_export(staging, self.out_dir, pl_module.draft, state, self.run, info)
             log.info("export: wrote %s (%d tensors), reloaded strictly and matched", self.out_dir, count)
         trainer.strategy.barrier("dflash-export")
         self.written = self.out_dir  # every rank reports the export rank 0 wrote
@@ -339,11 +338,11 @@ def setup_target(run: RunConfig):
 
 def setup_draft(run: RunConfig, target, spec: DraftSpec, backend: str) -> torch.nn.Module:
     """A fresh draft shaped after the target, or the warm start ``dflash.init_from_pretrained``."""
-    draft = build_draft(target.llm_config, spec, backend)
+    draft = spec.variant.build_draft(target, spec, backend)
     if run.dflash.init_from_pretrained:
-        warm_start(draft, run.dflash.init_from_pretrained, spec)
+        spec.variant.warm_start(draft, run.dflash.init_from_pretrained, spec)
     else:
-        log.info("draft: fresh initialisation (%s, %d layers)", spec.variant.name, run.dflash.draft_num_hidden_layers)
+        log.info("draft: fresh initialisation (%s)", spec.variant.describe_draft(run.dflash))
     return draft
 
 
@@ -385,7 +384,7 @@ def setup_trainer(run: RunConfig, trainer_kwargs: dict, accelerator: str, paths:
     """The Lightning trainer: precision, strategy, checkpointing, preemption, export, logs."""
     preemption = PreemptionCheckpoint(paths.last_checkpoint, requeue=run.exp_manager.requeue_on_preemption)
     provenance = ProvenanceRecord(run, paths.run_dir)
-    exporter = ExportOnTrainEnd(paths.export_dir, preemption, provenance)
+    exporter = ExportOnTrainEnd(run, paths.export_dir, preemption, provenance)
     extra: list[Callback] = [provenance, preemption, exporter, LogResume(paths.resume_from)]
     extra.append(ProgressLog(trainer_kwargs.get("log_every_n_steps") or 50))
     if run.exp_manager.record_sample_ids:

@@ -11,8 +11,9 @@ from dflash_train.errors import ConfigError
 from dflash_train.variants.base import DFlashConfig, DraftVariant, TargetDims
 from dflash_train.variants.dflash import DFLASH
 from dflash_train.variants.dflash2 import DFLASH2, DFlash2Config
+from dflash_train.variants.mtp import MTP_VARIANT, MTPConfig
 
-VARIANTS: dict[str, DraftVariant] = {variant.name: variant for variant in (DFLASH, DFLASH2)}
+VARIANTS: dict[str, DraftVariant] = {variant.name: variant for variant in (DFLASH, DFLASH2, MTP_VARIANT)}
 
 ARCHITECTURE_ALIASES: dict[str, str] = {
     alias: variant.export_architecture for variant in VARIANTS.values() for alias in variant.architecture_aliases
@@ -42,6 +43,7 @@ __all__ = [
     "DFlash2Config",
     "DFlashConfig",
     "DraftVariant",
+    "MTPConfig",
     "TargetDims",
     "VARIANTS",
     "variant_for_architecture",

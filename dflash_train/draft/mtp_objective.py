@@ -1,0 +1,200 @@
+"""Training an MTP step on a frozen target: every draft position vLLM's MTP route serves, in one batched pass.
+
+The contract (docs/training.md, "MTP heads"): for an anchor *p*, the last position whose
+target hidden state the drafter has (the bonus token sits at *p + 1*), draft step *k*
+(1 ≤ k ≤ D) reads
+
+    x_k = eh_proj(cat[enorm(e_{p+k}), hnorm(h_k)])     h_1 = target final (post-norm) hidden state at p
+                                                       h_k = the step's own output of step k - 1
+    label_k = token_{p+k+1}                            (weighted w_k, supervised positions only)
+
+where ``e_j`` is token *j*'s embedding (the audio frame's embedding at audio positions). In
+every attention sublayer, step 1 of anchor *p* is the cached entry of position *p*: it attends
+to the step-1 entries of positions ≤ p of its own document, as every verified position's entry
+is made from the target's hidden state. Step *k ≥ 2* sits at position *p + k − 1* and attends
+to those same step-1 entries (positions ≤ p) plus its own chain's steps 2..k, exactly the KV
+cache vLLM's proposer holds while it drafts token *k*. Teacher forcing feeds the true token
+*p + k* (a drafted token is only ever used after it was accepted, i.e. equal to it).
+
+Step 1 runs over every position at once (causal within documents); steps 2..D run for up to
+``num_anchors`` sampled anchors per row, each chain attending to the shared step-1 keys.
+An anchor needs its bonus token supervised and D further tokens in its document, the
+counterpart of DFlash's full-block rule (block size D + 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dflash_train.draft.mtp import MTPStep
+
+
+@dataclass
+class MTPStepMetrics:
+    """One step's loss and additive statistics, with the fields the training module sums
+    (the same names as nemo_automodel's DFlash metrics, so both log alike)."""
+
+    loss: torch.Tensor
+    loss_weight: torch.Tensor
+    accuracy: torch.Tensor
+    valid_tokens: torch.Tensor
+    correct_tokens: torch.Tensor
+    accept_len: torch.Tensor
+    accept_len_sum: torch.Tensor
+    valid_blocks: torch.Tensor
+    step_correct: torch.Tensor  # [D] correct predictions per draft step
+    step_tokens: torch.Tensor  # [D] supervised predictions per draft step
+
+
+def decayed_step_weights(num_steps: int, gamma: float) -> list[float]:
+    """``w_k = exp(-(k-1)/gamma)`` for k = 1..D: the DFlash block loss's decay over draft positions."""
+    return [math.exp(-k / gamma) for k in range(num_steps)] if gamma > 0 else [1.0] * num_steps
+
+
+def valid_anchor_mask(loss_mask: torch.Tensor, doc_remaining: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """``[B, S]`` positions *p* that can anchor a D-step chain: the bonus token *p + 1* is supervised and
+    ``D + 1`` tokens of *p*'s document follow *p* (the bonus and D labels)."""
+    valid = doc_remaining >= num_steps + 1
+    supervised_next = torch.zeros_like(valid)
+    supervised_next[:, :-1] = loss_mask[:, 1:].bool()
+    return valid & supervised_next
+
+
+def step_one_mask(doc_remaining: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, S, S]``: entry *i* attends to entries *j ≤ i* of its own document (never padding;
+    a padding row sees only itself, its output unused)."""
+    length = doc_remaining.shape[1]
+    j = torch.arange(length, device=doc_remaining.device)
+    reaches = (j[None, :] + doc_remaining)[:, None, :] >= j[None, :, None]  # [B, i, j]: j's document reaches i
+    mask = (j[None, :] <= j[:, None])[None] & reaches & (doc_remaining >= 0)[:, None, :]
+    return (mask | torch.eye(length, dtype=torch.bool, device=doc_remaining.device))[:, None]
+
+
+def gather_at(tensor: torch.Tensor, anchors: torch.Tensor, offset: int) -> torch.Tensor:
+    """``tensor[b, anchors[b, n] + offset]`` for ``[B, S]`` or ``[B, S, H]`` tensors (clamped to the row)."""
+    index = (anchors + offset).clamp(max=tensor.shape[1] - 1)
+    if tensor.dim() == 2:
+        return tensor.gather(1, index)
+    return tensor.gather(1, index[..., None].expand(-1, -1, tensor.shape[-1]))
+
+
+class MTPTrainerCore(nn.Module):
+    """The MTP step and its training objective; the frozen target's LM head is held, never trained.
+
+    ``forward`` takes the module's batch layout (labels substituted, the target's final hidden
+    states as ``features``, the audio-fused token embeddings as ``embeds``) and returns
+    :class:`MTPStepMetrics` whose ``loss`` is Σ w·CE / Σ w over every supervised draft step.
+    """
+
+    def __init__(self, step: MTPStep, target_lm_head: nn.Module, step_weights: Sequence[float], num_anchors: int):
+        super().__init__()
+        self.draft_model = step
+        object.__setattr__(self, "lm_head", target_lm_head)  # not a submodule: not trained, not checkpointed
+        self.step_weights = [float(w) for w in step_weights]
+        self.num_anchors = num_anchors
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_weights)
+
+    def sample_anchors(self, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to ``num_anchors`` valid positions per row, drawn uniformly (the caller seeds the draw), sorted;
+        ``(anchors [B, A], keep [B, A])`` with unused slots at position 0 and ``keep`` false."""
+        counts = valid.sum(dim=1)
+        drawn = max(1, min(self.num_anchors, int(counts.max())))
+        scores = torch.where(valid, torch.rand(valid.shape, device=valid.device), 2.0)
+        order = scores.argsort(dim=1)[:, :drawn]
+        keep = torch.arange(drawn, device=valid.device)[None] < counts.clamp(max=drawn)[:, None]
+        anchors = torch.where(keep, order, valid.shape[1]).sort(dim=1).values  # unused slots sort last
+        return anchors.masked_fill(~keep, 0), keep
+
+    def draft_states(
+        self, features: torch.Tensor, loss_mask: torch.Tensor, doc_remaining: torch.Tensor, embeds: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(states [B, A, D, H], anchors [B, A], keep [B, A])``: the step's output at every draft step of
+        every sampled anchor (module docstring), before the LM head."""
+        step, depth = self.draft_model, self.num_steps
+        batch, length, _ = features.shape
+        gqa = dict(enable_gqa=step.layers[0].heads != step.layers[0].kv_heads)
+
+        # step 1 at every position: entry i fuses token i+1's embedding with the target's hidden state i
+        next_embeds = torch.cat([embeds[:, 1:], torch.zeros_like(embeds[:, :1])], dim=1)
+        context: list[tuple[torch.Tensor, torch.Tensor]] = []
+        first_mask = step_one_mask(doc_remaining)
+
+        def attend_first(i, layer, x):
+            q, k, v = layer.project(x)
+            context.append((k, v))
+            return layer.output(F.scaled_dot_product_attention(q, k, v, attn_mask=first_mask, **gqa))
+
+        first = step.run_sublayers(step.fuse(next_embeds, features.to(next_embeds.dtype)), attend_first)
+
+        anchors, keep = self.sample_anchors(valid_anchor_mask(loss_mask, doc_remaining, depth))
+        drawn = anchors.shape[1]
+        outputs = [gather_at(first, anchors, 0)]
+        positions = torch.arange(length, device=features.device)
+        sees_context = (positions[None, None, :] <= anchors[:, :, None]) & (
+            (positions[None, :] + doc_remaining)[:, None, :] >= anchors[:, :, None]
+        )  # [B, A, S]: entries j <= p of p's document
+        own_chain = torch.eye(drawn, dtype=torch.bool, device=features.device).expand(batch, -1, -1)
+        chain: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in step.layers]
+        for k in range(2, depth + 1):
+            mask = torch.cat([sees_context] + [own_chain] * (k - 1), dim=-1)[:, None]
+
+            def attend_chain(i, layer, x, mask=mask):
+                q, key, value = layer.project(x)
+                chain[i].append((key, value))
+                keys = torch.cat([context[i][0]] + [kv[0] for kv in chain[i]], dim=2)
+                values = torch.cat([context[i][1]] + [kv[1] for kv in chain[i]], dim=2)
+                return layer.output(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, **gqa))
+
+            outputs.append(step.run_sublayers(step.fuse(gather_at(embeds, anchors, k), outputs[-1]), attend_chain))
+        return torch.stack(outputs, dim=2), anchors, keep
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        loss_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        doc_remaining: torch.Tensor | None = None,
+        embeds: torch.Tensor | None = None,
+    ) -> MTPStepMetrics:
+        """The loss and statistics of one batch (``position_ids`` / ``seq_lens`` are unused: the step has no
+        rotary embedding, and documents come from ``doc_remaining``)."""
+        if doc_remaining is None or embeds is None:
+            raise ValueError("the MTP objective needs doc_remaining and the token embeddings (embeds)")
+        depth = self.num_steps
+        hidden, anchors, keep = self.draft_states(features, loss_mask, doc_remaining, embeds)
+        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        labels = torch.stack([gather_at(input_ids, anchors, k + 1) for k in range(1, depth + 1)], dim=2)
+        supervised = torch.stack([gather_at(loss_mask.bool(), anchors, k + 1) for k in range(1, depth + 1)], dim=2) & keep[..., None]
+        weights = supervised.float() * torch.tensor(self.step_weights, device=logits.device)
+        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(weights)
+        weight = weights.sum()
+        loss = (ce * weights).sum() / weight.clamp_min(1e-12)
+
+        correct = (logits.argmax(dim=-1) == labels) & supervised
+        prefix = (correct | ~supervised).long().cumprod(dim=2) * supervised.long()
+        chains = supervised.any(dim=2)
+        accept_sum = ((prefix.sum(dim=2) + 1.0) * chains).sum()
+        tokens, hits = supervised.sum(), correct.sum()
+        return MTPStepMetrics(
+            loss=loss,
+            loss_weight=weight.detach(),
+            accuracy=(hits / tokens.clamp_min(1)).detach(),
+            valid_tokens=tokens.detach(),
+            correct_tokens=hits.detach(),
+            accept_len=(accept_sum / chains.sum().clamp_min(1)).detach(),
+            accept_len_sum=accept_sum.detach(),
+            valid_blocks=chains.sum().detach(),
+            step_correct=correct.sum(dim=(0, 1)).detach(),
+            step_tokens=supervised.sum(dim=(0, 1)).detach(),
+        )

@@ -1,0 +1,136 @@
+"""MTP: one multi-token-prediction step trained on the frozen target, served by vLLM's MTP route.
+
+The step reads the target's final hidden state and the next token's embedding and is applied
+D times (``num_nextn_predict_layers``, ``use_repeated_layer: true``); the target's embedding
+table and LM head are shared, never trained. The export is the target's vLLM-ready directory
+with the step stored as NeMo's ``llm.mtp.layers.*`` and an ``mtp`` block (docs/training.md,
+"MTP heads"; the objective is :mod:`dflash_train.draft.mtp_objective`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from dflash_train.variants.base import DFlashConfig, DraftVariant
+
+
+@dataclass
+class MTPConfig(DFlashConfig):
+    """MTP's ``dflash`` section: the shared keys plus the step's repetition, sublayers and step weights."""
+
+    variant: str = "mtp"
+    num_nextn_predict_layers: int = 2
+    use_repeated_layer: bool = True
+    hybrid_override_pattern: str = "*"
+    step_loss_weights: Optional[list[float]] = None
+
+
+DFLASH_ONLY_KEYS = {
+    "target_layer_ids": None,
+    "mask_token_id": None,
+    "draft_model_config": {},
+    "use_fused_linear_ce": False,
+    "gradient_checkpointing": False,
+}
+"""DFlash keys MTP has no use for, with their defaults: any other value is a mistake worth one line."""
+
+
+class MTP(DraftVariant):
+    """Chains of D applications of one MTP step per sampled anchor; the export is a SpeechLM MTP target."""
+
+    name = "mtp"
+    config_schema = MTPConfig
+    export_architecture = "DFlashSpeechLMMTPModel"
+    uses_taps = False
+    serving_note = (
+        "the export is the target itself with its MTP heads: serve it with method \"mtp\" (no draft directory); "
+        "dflash-eval --target EXPORT --mtp reproduces vLLM's counters"
+    )
+
+    def config_problems(self, cfg: MTPConfig):
+        d = cfg.num_nextn_predict_layers
+        if d < 1:
+            yield f"dflash.num_nextn_predict_layers={d} must be >= 1 (the draft steps trained per anchor)"
+        if not cfg.use_repeated_layer:
+            yield (
+                "dflash.use_repeated_layer=false trains distinct heads, which vLLM cannot serve (it runs one MTP step "
+                "for every draft position); keep use_repeated_layer: true"
+            )
+        if not cfg.hybrid_override_pattern or set(cfg.hybrid_override_pattern) - {"*"}:
+            yield (
+                f"dflash.hybrid_override_pattern={cfg.hybrid_override_pattern!r}: the trained MTP step has attention "
+                "sublayers only ('*', e.g. '*' or '**')"
+            )
+        weights = cfg.step_loss_weights
+        if weights is not None and (len(weights) != d or min(weights) < 0 or sum(weights) <= 0):
+            yield (
+                f"dflash.step_loss_weights={list(weights)} must list {d} non-negative weights (one per draft step, "
+                "not all zero), or be null for the decayed default"
+            )
+        for key, default in DFLASH_ONLY_KEYS.items():
+            if getattr(cfg, key) != default:
+                yield f"dflash.{key} is a DFlash key the mtp variant does not use; remove it (dflash=mtp)"
+        if cfg.attention_backend == "flex_attention":
+            yield "dflash.attention_backend=flex_attention: the MTP step trains with sdpa; set it to sdpa or null"
+
+    def step_weights(self, cfg: MTPConfig) -> list[float]:
+        """The loss weight of each draft step: ``dflash.step_loss_weights``, else DFlash's decay."""
+        from dflash_train.draft.mtp_objective import decayed_step_weights
+
+        if cfg.step_loss_weights is not None:
+            return [float(w) for w in cfg.step_loss_weights]
+        return decayed_step_weights(cfg.num_nextn_predict_layers, cfg.loss_decay_gamma)
+
+    def block_span(self, cfg: MTPConfig) -> int:
+        return cfg.num_nextn_predict_layers + 1
+
+    def has_valid_anchor(self, cfg: MTPConfig, loss_mask: torch.Tensor, doc_remaining: torch.Tensor) -> bool:
+        from dflash_train.draft.mtp_objective import valid_anchor_mask
+
+        return bool(valid_anchor_mask(loss_mask, doc_remaining, cfg.num_nextn_predict_layers).any())
+
+    def speculative_tokens(self, cfg: MTPConfig) -> int:
+        return cfg.num_nextn_predict_layers
+
+    def build_draft(self, target, spec, attention_backend: str):
+        from dflash_train.draft.mtp import MTPStep
+
+        return MTPStep.for_llm(target.llm_config.get_text_config(), spec.cfg.hybrid_override_pattern)
+
+    def build_core(self, draft, target, spec, attention_backend: str, stable_shapes: bool):
+        from dflash_train.draft.mtp_objective import MTPTrainerCore
+
+        return MTPTrainerCore(draft, target.lm_head, self.step_weights(spec.cfg), spec.cfg.num_anchors)
+
+    def warm_start(self, draft, path: str, spec) -> None:
+        from dflash_train.draft.mtp_export import warm_start_mtp
+
+        warm_start_mtp(draft, path)
+
+    def describe_draft(self, cfg: MTPConfig) -> str:
+        return f"mtp, one step of pattern {cfg.hybrid_override_pattern!r} applied {cfg.num_nextn_predict_layers} times"
+
+    def write_export(self, staging: Path, location: Path, draft, state: dict, run, training_info) -> int:
+        from dflash_train.draft.mtp_export import verify_mtp_export, write_mtp_export
+
+        heads = run.dflash.num_nextn_predict_layers
+        source = run.model.pretrained_name
+        write_mtp_export(staging, source, draft, state, heads, location=location, training_info=training_info)
+        return verify_mtp_export(staging, source, draft, state, heads)
+
+    def serve_command(self, export_dir: Path, serve_target: Optional[str], cfg: MTPConfig) -> str:
+        from dflash_train.target.vllm_export import mtp_serve_command
+
+        return mtp_serve_command(export_dir.resolve(), self.speculative_tokens(cfg))
+
+    def step_metrics(self, metrics) -> dict[str, float]:
+        tokens = metrics.step_tokens.clamp_min(1)
+        accuracy = (metrics.step_correct / tokens).tolist()
+        return {f"step{k + 1}_accuracy": float(a) for k, a in enumerate(accuracy)}
+
+
+MTP_VARIANT = MTP()
