@@ -31,4 +31,6 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 	@[ -f runs/demo/export/config.json ] && [ -f runs/demo/target/config.json ] || $(MAKE) demo
 	@grep -q '"DFlashDraftModel"' runs/demo/export/config.json || [ -f runs/demo-dflash/export/config.json ] \
 		|| $(PY) -m dflash_train.cli.demo dflash=dflash exp_manager.explicit_log_dir=runs/demo-dflash
+	@[ -f runs/demo-mtp/export/config.json ] \
+		|| $(PY) -m dflash_train.cli.demo dflash=mtp exp_manager.explicit_log_dir=runs/demo-mtp
 	DFLASH_VLLM_TESTS=1 DFLASH_VLLM_REQUIRE_TRAINED=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_serving

@@ -160,6 +160,9 @@ class ExportOnTrainEnd(Callback):
         if trainer.is_global_zero:
             with atomic_directory(self.out_dir) as staging:
                 info = self.provenance.training_info(trainer.global_step) if self.provenance else None
+                if info is not None and "val/accept_len" in trainer.callback_metrics:
+                    # what training reported, beside what serving the export delivers (dflash-eval, vLLM)
+                    info["val_accept_len"] = float(trainer.callback_metrics["val/accept_len"])
                 variant = pl_module.spec.variant
                 count = variant.write_export(staging, self.out_dir, pl_module.draft, state, self.run, info)
             log.info("export: wrote %s (%d tensors), reloaded strictly and matched", self.out_dir, count)

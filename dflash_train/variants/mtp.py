@@ -29,14 +29,16 @@ class MTPConfig(DFlashConfig):
     step_loss_weights: Optional[list[float]] = None
 
 
-DFLASH_ONLY_KEYS = {
-    "target_layer_ids": None,
-    "mask_token_id": None,
-    "draft_model_config": {},
-    "use_fused_linear_ce": False,
-    "gradient_checkpointing": False,
-}
-"""DFlash keys MTP has no use for, with their defaults: any other value is a mistake worth one line."""
+DFLASH_ONLY_KEYS = (
+    "block_size",
+    "target_layer_ids",
+    "mask_token_id",
+    "draft_model_config",
+    "use_fused_linear_ce",
+    "gradient_checkpointing",
+)
+"""Shared-schema keys MTP has no use for: a value other than their default is a mistake worth one line.
+(``draft_num_hidden_layers`` is ignored instead: the demo recipe sizes DFlash drafts with it.)"""
 
 
 class MTP(DraftVariant):
@@ -71,8 +73,9 @@ class MTP(DraftVariant):
                 f"dflash.step_loss_weights={list(weights)} must list {d} non-negative weights (one per draft step, "
                 "not all zero), or be null for the decayed default"
             )
-        for key, default in DFLASH_ONLY_KEYS.items():
-            if getattr(cfg, key) != default:
+        defaults = DFlashConfig()
+        for key in DFLASH_ONLY_KEYS:
+            if getattr(cfg, key) != getattr(defaults, key):
                 yield f"dflash.{key} is a DFlash key the mtp variant does not use; remove it (dflash=mtp)"
         if cfg.attention_backend == "flex_attention":
             yield "dflash.attention_backend=flex_attention: the MTP step trains with sdpa; set it to sdpa or null"

@@ -11,6 +11,8 @@ Inputs (``make test-vllm`` prepares them from the demo; each can be overridden b
   DFlash2 draft, and runs/demo-dflash/export, the same demo trained as DFlash); each is used
   for its variant. Without a trained DFlash export the trained-vs-untrained comparison is
   skipped with its reason, or fails under ``DFLASH_VLLM_REQUIRE_TRAINED=1``;
+- ``DFLASH_VLLM_MTP_EXPORT``: the demo's target with trained MTP heads (runs/demo-mtp/export,
+  the demo trained with ``dflash=mtp``); required under ``DFLASH_VLLM_REQUIRE_TRAINED=1``;
 - ``DFLASH_VLLM_CUTS``: the demo's validation set (demo_assets/data/val_cuts.jsonl.gz).
 
 Untrained drafts of the trained draft's shape are built here (seeded).
@@ -99,6 +101,18 @@ def trained_dflash_export() -> Path:
             pytest.fail(message)
         pytest.skip(message)
     return exports["dflash"]
+
+
+@pytest.fixture(scope="session")
+def trained_mtp_export() -> Path:
+    """The demo's target with MTP heads trained on it (``DFLASH_VLLM_MTP_EXPORT``, default runs/demo-mtp/export)."""
+    export = _path("DFLASH_VLLM_MTP_EXPORT", "runs/demo-mtp/export")
+    if not (export / "config.json").exists():
+        message = f"no trained MTP export at {export}: `make test-vllm` trains one (dflash=mtp)"
+        if os.environ.get("DFLASH_VLLM_REQUIRE_TRAINED") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return export
 
 
 @pytest.fixture(scope="session")

@@ -392,3 +392,46 @@ def test_dflash_eval_reproduces_vllms_mtp_tokens_and_counters(name, k, checkpoin
         counters.rounds,
         list(counters.accepted_per_position),
     )
+
+
+@pytest.mark.parametrize("k", [2, 4])  # the demo trains D = 2 steps: serve K = D and K = 2D
+def test_a_trained_mtp_export_serves_with_exact_parity(k, trained_mtp_export, validation_cuts, serving_reports):
+    """The demo's MTP training output, served by vLLM as it stands: tokens and per-position counters equal
+    ``dflash-eval --mtp``'s, and the training-time acceptance is set beside the served one."""
+    from transformers import AutoTokenizer
+
+    from dflash_train.config.schema import InputConfig
+    from dflash_train.evaluate.loading import TargetSource
+    from dflash_train.evaluate.run import MTP, TARGET_MTP_HEADS, evaluate, prepare
+
+    config = json.loads((trained_mtp_export / "config.json").read_text())
+    assert config["mtp"]["num_nextn_predict_layers"] == 2 and config["training_info"]["variant"] == "mtp"
+    requests = validation_requests(validation_cuts, AutoTokenizer.from_pretrained(trained_mtp_export), REQUESTS)
+    served_target_only = serve(trained_mtp_export, requests, MAX_TOKENS, dtype=PARITY_DTYPE)
+    served = serve(trained_mtp_export, requests, MAX_TOKENS, num_speculative_tokens=k, dtype=PARITY_DTYPE)
+    settings, loaded = prepare(
+        TargetSource(checkpoint=str(trained_mtp_export)),
+        {MTP: TARGET_MTP_HEADS},
+        InputConfig(type="lhotse_as_conversation", cuts_path=str(validation_cuts)),
+        num_speculative_tokens=k,
+        max_new_tokens=MAX_TOKENS,
+        dtype=PARITY_DTYPE,
+        device="cpu",
+        limit=len(requests),
+    )
+    report_ = evaluate(settings, loaded)
+    assert not report_.failures, report_.failures
+    assert first_mismatches(served_target_only.token_ids, [s.target.token_ids for s in report_.samples]) == {}
+    assert first_mismatches(served.token_ids, [s.drafts[MTP].token_ids for s in report_.samples]) == {}
+    reference, counters = report_.counters(MTP), served.counters
+    assert reference.accepted > 0, "the trained heads were never accepted"
+    assert (reference.rounds, list(reference.accepted_per_position)) == (
+        counters.rounds,
+        list(counters.accepted_per_position),
+    )
+    val_accept_len = config["training_info"].get("val_accept_len")
+    serving_reports.append(
+        f"trained MTP (demo, D=2), K={k} (float32): vLLM MAL {1 + counters.accepted / counters.rounds:.3f} "
+        f"({counters.accepted} / {counters.rounds} rounds, per position {counters.accepted_per_position}), "
+        f"reference decoder identical; training's val accept_len {val_accept_len}"
+    )
