@@ -14,8 +14,10 @@ missing). Everything it writes goes to ``benchmarks/.work/acceptance`` (git-igno
    file, validated on the labelled test set), and ``dflash2`` trained on the original transcripts
    with ``label_source=target_argmax`` and with ``label_source=ground_truth`` (validated on the
    original test set).
-3. All four drafts through the reference speculative decoder on the same held-out utterances in
-   one pass at K = block_size - 1: pooled MAL, per-position acceptance, greedy equivalence, WER.
+   With ``--variants ... mtp``, MTP heads (``dflash=mtp``, D = 3 steps) on the offline labels too.
+3. All DFlash drafts through the reference speculative decoder on the same held-out utterances in
+   one pass at K = block_size - 1: pooled MAL, per-position acceptance, greedy equivalence, WER;
+   the MTP export (the target with its trained heads) at K = D and K = 2D on the same utterances.
 
 Prints one table and writes ``results.json`` (and the full ``eval.json``).
 """
@@ -37,7 +39,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from train_reference_target import OUT as TARGET_DIR  # noqa: E402
 from train_reference_target import WORK, corpus  # noqa: E402
 
+from dflash_train.evaluate.run import MTP, TARGET_MTP_HEADS  # noqa: E402
+from dflash_train.variants import variant_named  # noqa: E402
+
 DFLASH2_SELECTOR_RANK = 32  # scaled down with the draft (recipe default 256)
+MTP_STEPS = 3  # D, the trained MTP steps (NeMo's SpeechLM MTP checkpoints train 1-3)
 
 # name -> (draft variant, training data, label_source)
 VARIANTS = {
@@ -45,6 +51,7 @@ VARIANTS = {
     "dflash2": ("dflash2", "offline", "ground_truth"),
     "dflash2-target_argmax": ("dflash2", "original", "target_argmax"),
     "dflash2-ground_truth": ("dflash2", "original", "ground_truth"),
+    "mtp": ("mtp", "offline", "ground_truth"),
 }
 
 
@@ -97,10 +104,12 @@ def train_variant(target: Path, name: str, variant: str, label_source: str, trai
     ]
     cfg = compose_config("demo", overrides)
     with open_dict(cfg):  # the selector size is pinned here so the benchmark does not follow demo.yaml edits
-        if variant == "dflash":
-            cfg.dflash.pop("selector_rank", None)  # DFlash has no selector
-        else:
+        if variant == "dflash2":
             cfg.dflash.selector_rank = DFLASH2_SELECTOR_RANK
+        else:
+            cfg.dflash.pop("selector_rank", None)  # only DFlash2 has a selector
+        if variant == "mtp":
+            cfg.dflash.num_nextn_predict_layers = MTP_STEPS
     validated = validate_config(cfg)
     started = time.perf_counter()
     summary = run_training(validated)
@@ -115,12 +124,14 @@ def train_variant(target: Path, name: str, variant: str, label_source: str, trai
         "val_accept_len": summary.val_accept_len,
         "val_loss": summary.val_loss,
         "export": str(summary.export_dir),
-        "block_size": validated.run.dflash.block_size,
+        "trained_k": variant_named(variant).speculative_tokens(validated.run.dflash),
     }
 
 
-def evaluate_drafts(target: Path, drafts: dict[str, str], test: Path, limit: int | None, max_new_tokens: int, out: Path) -> dict:
-    """All drafts through the reference decoder on identical samples, one pass (what ``dflash-eval`` runs)."""
+def evaluate_drafts(target: Path, drafts: dict[str, str], test: Path, limit: int | None, max_new_tokens: int, out: Path,
+                    num_speculative_tokens: int | None = None) -> dict:
+    """All drafts through the reference decoder on identical samples, one pass (what ``dflash-eval`` runs);
+    ``drafts`` may map a name to ``TARGET_MTP_HEADS`` (the target's own MTP heads, ``--mtp``)."""
     from dflash_train.config.schema import InputConfig
     from dflash_train.evaluate.loading import TargetSource
     from dflash_train.evaluate.run import evaluate, prepare
@@ -129,6 +140,7 @@ def evaluate_drafts(target: Path, drafts: dict[str, str], test: Path, limit: int
         TargetSource(checkpoint=str(target)),
         drafts,
         InputConfig(type="lhotse_as_conversation", cuts_path=str(test)),
+        num_speculative_tokens=num_speculative_tokens,
         max_new_tokens=max_new_tokens,
         limit=limit,
     )
@@ -145,24 +157,33 @@ def table(results: dict) -> list[str]:
     """The benchmark table (markdown)."""
     k = results["K"]
     head = ("| variant | training labels | label_source | steps | train wall | teacher-forced val accept_len "
-            "| serving MAL (pooled) | MAL / accept_len | greedy equal | acceptance@1..K |")
-    lines = [head, "|" + "---|" * 10]
+            "| K | serving MAL (pooled) | MAL / accept_len | greedy equal | acceptance@1..K |")
+    lines = [head, "|" + "---|" * 11]
     for name, row in results["variants"].items():
         rates = " ".join(_fmt(p["acceptance"]) for p in row["per_position"])
         ratio = row["mal"] / row["val_accept_len"] if row["val_accept_len"] else None
         lines.append(
             f"| {name} | {row['training_data']} | {row['label_source']} | {row['steps']} | "
-            f"{row['train_wall_s']:.0f} s | {_fmt(row['val_accept_len'])} | {_fmt(row['mal'])} | {_fmt(ratio)} | "
+            f"{row['train_wall_s']:.0f} s | {_fmt(row['val_accept_len'])} | {row['K']} | {_fmt(row['mal'])} | {_fmt(ratio)} | "
             f"{'yes' if row['greedy_equal'] else 'NO'} | {rates} |"
         )
     lines.append("")
     lines.append(
-        f"K = {k}; {results['samples_evaluated']} held-out utterances, {results['rounds_note']}; "
+        f"DFlash drafts at K = {k}; {results['samples_evaluated']} held-out utterances, {results['rounds_note']}; "
         f"target-only WER {100 * results['target_wer']:.1f} %, speculative WER "
         + ", ".join(f"{n} {100 * r['wer']:.1f} %" for n, r in results["variants"].items())
         + f"; total wall time {results['total_wall_s'] / 60:.1f} min."
     )
     return lines
+
+
+def _served(row: dict, report: dict, name: str) -> dict:
+    """``row`` with the serving figures of draft ``name`` in an evaluation report."""
+    draft = report["drafts"][name]
+    row.update(K=report["settings"]["num_speculative_tokens"], mal=draft["acceptance"]["mal"],
+               rounds=draft["acceptance"]["rounds"], per_position=draft["acceptance"]["per_position"],
+               greedy_equal=draft["greedy_equal"], wer=draft["wer"]["wer"], truncated=len(draft["truncated_ids"]))
+    return row
 
 
 def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed: int, max_new_tokens: int,
@@ -191,19 +212,26 @@ def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed
         rows[name]["training_data"] = "target's greedy (offline)" if data == "offline" else "original transcripts"
 
     t0 = time.perf_counter()
-    report = evaluate_drafts(target, {n: r["export"] for n, r in rows.items()}, test_subset, None, max_new_tokens,
-                             work / "eval.json")
+    blocks = {n: r for n, r in rows.items() if r["variant"] != "mtp"}
+    report = evaluate_drafts(target, {n: r["export"] for n, r in blocks.items()}, test_subset, None, max_new_tokens,
+                             work / "eval.json") if blocks else None
+    failures = len(report["failures"]) if report else 0
+    for name, row in blocks.items():
+        _served(row, report, name)
+    for name, row in [(n, r) for n, r in rows.items() if r["variant"] == "mtp"]:
+        del rows[name]  # one row per K: D and 2D
+        for label, k in (("K=D", row["trained_k"]), ("K=2D", 2 * row["trained_k"])):
+            mtp_report = evaluate_drafts(Path(row["export"]), {MTP: TARGET_MTP_HEADS}, test_subset, None,
+                                         max_new_tokens, work / f"eval-{name}-k{k}.json", num_speculative_tokens=k)
+            rows[f"{name} {label}"] = _served(dict(row), mtp_report, MTP)
+            failures += len(mtp_report["failures"])
+            report = report or mtp_report
     eval_wall = time.perf_counter() - t0
-    for name, row in rows.items():
-        draft = report["drafts"][name]
-        row.update(mal=draft["acceptance"]["mal"], rounds=draft["acceptance"]["rounds"],
-                   per_position=draft["acceptance"]["per_position"], greedy_equal=draft["greedy_equal"],
-                   wer=draft["wer"]["wer"], truncated=len(draft["truncated_ids"]))
-    k = report["settings"]["num_speculative_tokens"]
+    k = max((r["K"] for r in blocks.values()), default=None)
     results = {
         "K": k,
         "samples_evaluated": report["samples_evaluated"],
-        "failures": len(report["failures"]),
+        "failures": failures,
         "rounds_note": "max_new_tokens %d, %d target-only truncations" % (
             max_new_tokens, len(report["target_only"]["truncated_ids"])),
         "target_wer": report["target_only"]["wer"]["wer"],

@@ -61,8 +61,8 @@ def test_checkpoint_io_writes_beside_the_checkpoint_and_keeps_the_old_one_on_fai
 
 def test_a_failed_export_leaves_the_previous_export_whole(tiny_salm_dir, tiny_target, speech_batch, tmp_path,
                                                           monkeypatch):
+    from dflash_train.draft import export
     from dflash_train.draft.export import DraftExportError
-    from dflash_train.training import recipe
 
     batch = chatml_speech_batch(tiny_target, speech_batch, TEXTS, repeat=2)
 
@@ -75,7 +75,7 @@ def test_a_failed_export_leaves_the_previous_export_whole(tiny_salm_dir, tiny_ta
     def corrupt(out_dir, state):
         raise DraftExportError(f"{out_dir}: reloaded weights differ")
 
-    monkeypatch.setattr(recipe, "verify_export", corrupt)
+    monkeypatch.setattr(export, "verify_export", corrupt)  # the DFlash variant's export step calls it
     with pytest.raises(DraftExportError):
         train(_recipe(tiny_salm_dir, tmp_path, "trainer.max_steps=2", "exp_manager.resume_if_exists=false",
                       "dflash.lr=0.5"), factory)

@@ -90,15 +90,17 @@ def test_acceptance_benchmark_smallest_configuration_runs(bench, tmp_path):
     train, test = write_demo_data(tmp_path / "data", 10, 2, jobs=1, sentences=varied_sentences(10))
     results = acceptance.run(
         TARGET, steps=2, label_limit=8, eval_limit=None, seed=0, max_new_tokens=24,
-        variants=["dflash", "dflash2"], work=tmp_path / "work", cuts=(train, test),
+        variants=["dflash", "dflash2", "mtp"], work=tmp_path / "work", cuts=(train, test),
     )
     assert results["K"] == 7 and results["failures"] == 0 and results["samples_evaluated"] == 2
+    assert list(results["variants"]) == ["dflash", "dflash2", "mtp K=D", "mtp K=2D"]
     for row in results["variants"].values():
         assert row["steps"] == 2 and row["greedy_equal"]
         accepted = [p["accepted"] for p in row["per_position"]]  # position k is accepted only after 1..k-1
-        assert len(accepted) == 7 and all(later <= earlier for earlier, later in zip(accepted, accepted[1:]))
+        assert len(accepted) == row["K"] and all(later <= earlier for earlier, later in zip(accepted, accepted[1:]))
         assert accepted[0] <= row["rounds"] and row["mal"] == pytest.approx(1 + sum(accepted) / row["rounds"])
         assert row["wer"] == results["target_wer"]  # greedy equality: speculative WER equals target-only WER
     lines = acceptance.table(results)
-    assert lines[0].startswith("| variant |") and sum(line.startswith("| dflash") for line in lines) == 2
+    assert [results["variants"][n]["K"] for n in ("mtp K=D", "mtp K=2D")] == [3, 6]
+    assert lines[0].startswith("| variant |") and sum(line.startswith(("| dflash", "| mtp")) for line in lines) == 4
     assert (tmp_path / "work" / "results.json").exists()
