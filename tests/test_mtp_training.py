@@ -24,8 +24,9 @@ from safetensors.torch import load_file
 from dflash_train.config import validate_config
 from dflash_train.data.packing import document_layout
 from dflash_train.draft.mtp import MTPStep, checkpoint_name
-from dflash_train.draft.mtp_objective import MTPTrainerCore, decayed_step_weights, valid_anchor_mask
+from dflash_train.draft.mtp_objective import MTPTrainerCore
 from dflash_train.errors import ConfigError
+from dflash_train.variants.mtp import decayed_step_weights, valid_anchor_mask
 
 TEXTS = list(UTTERANCES.values())
 BIN = Path(sys.executable).parent

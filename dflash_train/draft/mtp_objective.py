@@ -24,7 +24,6 @@ counterpart of DFlash's full-block rule (block size D + 1).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,6 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dflash_train.draft.mtp import MTPStep
+from dflash_train.variants.mtp import valid_anchor_mask
 
 
 @dataclass
@@ -50,20 +50,6 @@ class MTPStepMetrics:
     valid_blocks: torch.Tensor
     step_correct: torch.Tensor  # [D] correct predictions per draft step
     step_tokens: torch.Tensor  # [D] supervised predictions per draft step
-
-
-def decayed_step_weights(num_steps: int, gamma: float) -> list[float]:
-    """``w_k = exp(-(k-1)/gamma)`` for k = 1..D: the DFlash block loss's decay over draft positions."""
-    return [math.exp(-k / gamma) for k in range(num_steps)] if gamma > 0 else [1.0] * num_steps
-
-
-def valid_anchor_mask(loss_mask: torch.Tensor, doc_remaining: torch.Tensor, num_steps: int) -> torch.Tensor:
-    """``[B, S]`` positions *p* that can anchor a D-step chain: the bonus token *p + 1* is supervised and
-    ``D + 1`` tokens of *p*'s document follow *p* (the bonus and D labels)."""
-    valid = doc_remaining >= num_steps + 1
-    supervised_next = torch.zeros_like(valid)
-    supervised_next[:, :-1] = loss_mask[:, 1:].bool()
-    return valid & supervised_next
 
 
 def step_one_mask(doc_remaining: torch.Tensor) -> torch.Tensor:

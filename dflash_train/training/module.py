@@ -24,6 +24,7 @@ from dflash_train.data.batch import SpeechBatch
 from dflash_train.data.packing import document_layout
 from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE
 from dflash_train.draft.build import DraftSpec
+from dflash_train.draft.family import family_of
 from dflash_train.errors import ConfigError, NonFiniteTrainingError
 from dflash_train.target.base import FrozenTarget
 from dflash_train.training.metrics import (
@@ -127,7 +128,7 @@ class DFlashDraftModule(L.LightningModule):
         object.__setattr__(self, "target", target)
         self.spec = spec
         self.settings = settings
-        self.core = spec.variant.build_core(draft, target, spec, settings.attention_backend, settings.pads_shapes)
+        self.core = family_of(spec.variant).build_core(draft, target, spec, settings.attention_backend, settings.pads_shapes)
         self.skip_counts: Counter[str] = Counter()
         self._sharded = False  # FSDP2 has sharded the draft (configure_model)
         self.nonfinite_steps = 0  # optimizer steps not applied for a NaN / infinite gradient

@@ -22,6 +22,7 @@ from dflash_train.config.schema import LIGHTNING_PRECISION, RunConfig
 from dflash_train.config.validate import ValidatedConfig
 from dflash_train.draft.build import DraftSpec
 from dflash_train.draft.export import full_state_dict
+from dflash_train.draft.family import family_of
 from dflash_train.errors import ConfigError
 from dflash_train.files import check_writable_directory
 from dflash_train.target import load_target_for_run
@@ -69,10 +70,8 @@ class TrainSummary:
             lines.append("no final export (training did not finish); resume from the last checkpoint")
             return lines
         variant = variant_named(run.dflash.variant)
-        lines += [
-            f"export: {self.export_dir}",
-            "serve: " + variant.serve_command(self.export_dir, serve_target, run.dflash),
-        ]
+        k = variant.speculative_tokens(run.dflash)
+        lines += [f"export: {self.export_dir}", "serve: " + family_of(variant).serve_command(self.export_dir, serve_target, k)]
         note = variant.serving_note
         if note:
             lines.append(f"note: {note}")
@@ -163,8 +162,8 @@ class ExportOnTrainEnd(Callback):
                 if info is not None and "val/accept_len" in trainer.callback_metrics:
                     # what training reported, beside what serving the export delivers (dflash-eval, vLLM)
                     info["val_accept_len"] = float(trainer.callback_metrics["val/accept_len"])
-                variant = pl_module.spec.variant
-                count = variant.write_export(staging, self.out_dir, pl_module.draft, state, self.run, info)
+                family = family_of(pl_module.spec.variant)
+                count = family.write_export(staging, self.out_dir, pl_module.draft, state, self.run, info)
             log.info("export: wrote %s (%d tensors), reloaded strictly and matched", self.out_dir, count)
         trainer.strategy.barrier("dflash-export")
         self.written = self.out_dir  # every rank reports the export rank 0 wrote
@@ -341,9 +340,10 @@ def setup_target(run: RunConfig):
 
 def setup_draft(run: RunConfig, target, spec: DraftSpec, backend: str) -> torch.nn.Module:
     """A fresh draft shaped after the target, or the warm start ``dflash.init_from_pretrained``."""
-    draft = spec.variant.build_draft(target, spec, backend)
+    family = family_of(spec.variant)
+    draft = family.build_draft(target, spec, backend)
     if run.dflash.init_from_pretrained:
-        spec.variant.warm_start(draft, run.dflash.init_from_pretrained, spec)
+        family.warm_start(draft, run.dflash.init_from_pretrained, spec)
     else:
         log.info("draft: fresh initialisation (%s)", spec.variant.describe_draft(run.dflash))
     return draft

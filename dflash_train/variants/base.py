@@ -9,7 +9,6 @@ branches on a variant's name (docs/development.md, Adding a draft variant).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator, NamedTuple, Optional
 
 import torch
@@ -89,6 +88,10 @@ class DraftVariant:
     """Whether ``dflash.projection_only`` (train only the feature projection) applies."""
     serving_note: str = ""
     """What a user must know before serving this variant's export."""
+    family: str = "block"
+    """How the draft is built, trained, exported and served: a key of
+    :data:`dflash_train.draft.family.FAMILIES` (``block``: a DFlash-style draft of nemo_automodel's
+    classes exported as its own directory; ``mtp``: MTP heads exported inside the target)."""
     uses_taps: bool = True
     """Whether the draft reads tapped target features (``dflash.target_layer_ids``); ``False``: it reads the
     target's final hidden state and the token embeddings instead."""
@@ -109,43 +112,9 @@ class DraftVariant:
         """K, the tokens vLLM should draft per round with this variant's export."""
         return cfg.block_size - 1
 
-    def build_draft(self, target, spec, attention_backend: str) -> nn.Module:
-        """A freshly initialised draft for ``target`` (``spec``: a :class:`~dflash_train.draft.build.DraftSpec`)."""
-        from dflash_train.draft.build import build_draft
-
-        return build_draft(target.llm_config, spec, attention_backend)
-
-    def build_core(self, draft: nn.Module, target, spec, attention_backend: str, stable_shapes: bool) -> nn.Module:
-        """The trainer core around ``draft``: anchors, masks, loss and metrics of one batch."""
-        from dflash_train.draft.build import anchor_count_multiple, build_trainer_core
-
-        multiple = anchor_count_multiple(spec.cfg.block_size) if stable_shapes else None
-        return build_trainer_core(draft, target, spec, attention_backend, anchor_multiple=multiple)
-
-    def warm_start(self, draft: nn.Module, path: str, spec) -> None:
-        """Load ``dflash.init_from_pretrained`` into ``draft`` strictly."""
-        from dflash_train.draft.build import warm_start
-
-        warm_start(draft, path, spec)
-
     def describe_draft(self, cfg: DFlashConfig) -> str:
         """The draft's shape in a log line."""
         return f"{self.name}, {cfg.draft_num_hidden_layers} layers"
-
-    def write_export(self, staging: Path, location: Path, draft: nn.Module, state: dict, run, training_info) -> int:
-        """Write the serving export into ``staging`` (renamed to ``location`` afterwards), reload it strictly,
-        compare it with ``state``; returns the tensor count."""
-        from dflash_train.draft.export import verify_export, write_export
-
-        write_export(staging, draft.config, state, training_info=training_info)
-        return verify_export(staging, state)
-
-    def serve_command(self, export_dir: Path, serve_target: Optional[str], cfg: DFlashConfig) -> str:
-        """The ``vllm serve`` line for this variant's export."""
-        from dflash_train.target.vllm_export import serve_command
-
-        target = serve_target or "<vLLM-ready target: dflash-export-target SALM_CKPT OUT>"
-        return serve_command(target, export_dir.resolve(), self.speculative_tokens(cfg))
 
     def load_classes(self) -> tuple[type[nn.Module], type[nn.Module]]:
         """nemo_automodel's ``(draft model class, trainer core class)``."""

@@ -4,13 +4,14 @@ The step reads the target's final hidden state and the next token's embedding an
 D times (``num_nextn_predict_layers``, ``use_repeated_layer: true``); the target's embedding
 table and LM head are shared, never trained. The export is the target's vLLM-ready directory
 with the step stored as NeMo's ``llm.mtp.layers.*`` and an ``mtp`` block (docs/training.md,
-"MTP heads"; the objective is :mod:`dflash_train.draft.mtp_objective`).
+"MTP heads"). The step, its objective and its export are ``dflash_train/draft/mtp*.py``, reached
+through the ``mtp`` draft family (:mod:`dflash_train.draft.family`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -41,12 +42,27 @@ DFLASH_ONLY_KEYS = (
 (``draft_num_hidden_layers`` is ignored instead: the demo recipe sizes DFlash drafts with it.)"""
 
 
+def decayed_step_weights(num_steps: int, gamma: float) -> list[float]:
+    """``w_k = exp(-(k-1)/gamma)`` for k = 1..D: the DFlash block loss's decay over draft positions."""
+    return [math.exp(-k / gamma) for k in range(num_steps)] if gamma > 0 else [1.0] * num_steps
+
+
+def valid_anchor_mask(loss_mask: torch.Tensor, doc_remaining: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """``[B, S]`` positions *p* that can anchor a D-step chain: the bonus token *p + 1* is supervised and
+    ``D + 1`` tokens of *p*'s document follow *p* (the bonus and D labels)."""
+    valid = doc_remaining >= num_steps + 1
+    supervised_next = torch.zeros_like(valid)
+    supervised_next[:, :-1] = loss_mask[:, 1:].bool()
+    return valid & supervised_next
+
+
 class MTP(DraftVariant):
     """Chains of D applications of one MTP step per sampled anchor; the export is a SpeechLM MTP target."""
 
     name = "mtp"
     config_schema = MTPConfig
     export_architecture = "DFlashSpeechLMMTPModel"
+    family = "mtp"
     uses_taps = False
     serving_note = (
         "the export is the target itself with its MTP heads: serve it with method \"mtp\" (no draft directory); "
@@ -82,8 +98,6 @@ class MTP(DraftVariant):
 
     def step_weights(self, cfg: MTPConfig) -> list[float]:
         """The loss weight of each draft step: ``dflash.step_loss_weights``, else DFlash's decay."""
-        from dflash_train.draft.mtp_objective import decayed_step_weights
-
         if cfg.step_loss_weights is not None:
             return [float(w) for w in cfg.step_loss_weights]
         return decayed_step_weights(cfg.num_nextn_predict_layers, cfg.loss_decay_gamma)
@@ -92,43 +106,13 @@ class MTP(DraftVariant):
         return cfg.num_nextn_predict_layers + 1
 
     def has_valid_anchor(self, cfg: MTPConfig, loss_mask: torch.Tensor, doc_remaining: torch.Tensor) -> bool:
-        from dflash_train.draft.mtp_objective import valid_anchor_mask
-
         return bool(valid_anchor_mask(loss_mask, doc_remaining, cfg.num_nextn_predict_layers).any())
 
     def speculative_tokens(self, cfg: MTPConfig) -> int:
         return cfg.num_nextn_predict_layers
 
-    def build_draft(self, target, spec, attention_backend: str):
-        from dflash_train.draft.mtp import MTPStep
-
-        return MTPStep.for_llm(target.llm_config.get_text_config(), spec.cfg.hybrid_override_pattern)
-
-    def build_core(self, draft, target, spec, attention_backend: str, stable_shapes: bool):
-        from dflash_train.draft.mtp_objective import MTPTrainerCore
-
-        return MTPTrainerCore(draft, target.lm_head, self.step_weights(spec.cfg), spec.cfg.num_anchors)
-
-    def warm_start(self, draft, path: str, spec) -> None:
-        from dflash_train.draft.mtp_export import warm_start_mtp
-
-        warm_start_mtp(draft, path)
-
     def describe_draft(self, cfg: MTPConfig) -> str:
         return f"mtp, one step of pattern {cfg.hybrid_override_pattern!r} applied {cfg.num_nextn_predict_layers} times"
-
-    def write_export(self, staging: Path, location: Path, draft, state: dict, run, training_info) -> int:
-        from dflash_train.draft.mtp_export import verify_mtp_export, write_mtp_export
-
-        heads = run.dflash.num_nextn_predict_layers
-        source = run.model.pretrained_name
-        write_mtp_export(staging, source, draft, state, heads, location=location, training_info=training_info)
-        return verify_mtp_export(staging, source, draft, state, heads)
-
-    def serve_command(self, export_dir: Path, serve_target: Optional[str], cfg: MTPConfig) -> str:
-        from dflash_train.target.vllm_export import mtp_serve_command
-
-        return mtp_serve_command(export_dir.resolve(), self.speculative_tokens(cfg))
 
     def step_metrics(self, metrics) -> dict[str, float]:
         tokens = metrics.step_tokens.clamp_min(1)

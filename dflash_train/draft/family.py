@@ -1,0 +1,113 @@
+"""Draft families: how a variant's draft is built, trained, warm-started, exported and served.
+
+A variant (:mod:`dflash_train.variants`) names its family in ``DraftVariant.family``; the
+variant module holds its keys, rules and decoding, the family the code those need from this
+level (draft models, the target's export). Two families exist:
+
+* ``block``: DFlash and DFlash2, nemo_automodel's draft and trainer-core classes, exported as a
+  draft-only HF directory next to the target (``{"method": "dflash", "model": DIR}``);
+* ``mtp``: one MTP step (:mod:`dflash_train.draft.mtp`) trained by
+  :class:`~dflash_train.draft.mtp_objective.MTPTrainerCore`, exported inside the target's
+  vLLM-ready directory (``{"method": "mtp"}``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Protocol
+
+from torch import nn
+
+from dflash_train.draft.build import DraftSpec
+from dflash_train.variants import DraftVariant
+
+
+class DraftFamily(Protocol):
+    """The draft-level operations the training recipe and module run for a variant."""
+
+    def build_draft(self, target, spec: DraftSpec, attention_backend: str) -> nn.Module:
+        """A freshly initialised draft for ``target``."""
+
+    def build_core(self, draft: nn.Module, target, spec: DraftSpec, attention_backend: str, stable_shapes: bool) -> nn.Module:
+        """The trainer core around ``draft``: anchors, masks, loss and metrics of one batch."""
+
+    def warm_start(self, draft: nn.Module, path: str, spec: DraftSpec) -> None:
+        """Load ``dflash.init_from_pretrained`` into ``draft`` strictly."""
+
+    def write_export(self, staging: Path, location: Path, draft: nn.Module, state: dict, run, training_info) -> int:
+        """Write the serving export into ``staging`` (renamed to ``location`` afterwards), reload it strictly and
+        compare it with ``state``; returns the tensor count."""
+
+    def serve_command(self, export_dir: Path, serve_target: Optional[str], num_speculative_tokens: int) -> str:
+        """The ``vllm serve`` line for the export (``serve_target``: the vLLM-ready target, if one was written)."""
+
+
+class BlockDrafts:
+    """DFlash / DFlash2: nemo_automodel's classes, a draft-only export served beside the target."""
+
+    def build_draft(self, target, spec, attention_backend):
+        from dflash_train.draft.build import build_draft
+
+        return build_draft(target.llm_config, spec, attention_backend)
+
+    def build_core(self, draft, target, spec, attention_backend, stable_shapes):
+        from dflash_train.draft.build import anchor_count_multiple, build_trainer_core
+
+        multiple = anchor_count_multiple(spec.cfg.block_size) if stable_shapes else None
+        return build_trainer_core(draft, target, spec, attention_backend, anchor_multiple=multiple)
+
+    def warm_start(self, draft, path, spec):
+        from dflash_train.draft.build import warm_start
+
+        warm_start(draft, path, spec)
+
+    def write_export(self, staging, location, draft, state, run, training_info):
+        from dflash_train.draft.export import verify_export, write_export
+
+        write_export(staging, draft.config, state, training_info=training_info)
+        return verify_export(staging, state)
+
+    def serve_command(self, export_dir, serve_target, num_speculative_tokens):
+        from dflash_train.target.vllm_export import serve_command
+
+        target = serve_target or "<vLLM-ready target: dflash-export-target SALM_CKPT OUT>"
+        return serve_command(target, export_dir.resolve(), num_speculative_tokens)
+
+
+class MTPHeads:
+    """MTP: one repeated step on the target's final hidden state, exported as the target's own MTP heads."""
+
+    def build_draft(self, target, spec, attention_backend):
+        from dflash_train.draft.mtp import MTPStep
+
+        return MTPStep.for_llm(target.llm_config.get_text_config(), spec.cfg.hybrid_override_pattern)
+
+    def build_core(self, draft, target, spec, attention_backend, stable_shapes):
+        from dflash_train.draft.mtp_objective import MTPTrainerCore
+
+        return MTPTrainerCore(draft, target.lm_head, spec.variant.step_weights(spec.cfg), spec.cfg.num_anchors)
+
+    def warm_start(self, draft, path, spec):
+        from dflash_train.draft.mtp_export import warm_start_mtp
+
+        warm_start_mtp(draft, path)
+
+    def write_export(self, staging, location, draft, state, run, training_info):
+        from dflash_train.draft.mtp_export import verify_mtp_export, write_mtp_export
+
+        heads, source = run.dflash.num_nextn_predict_layers, run.model.pretrained_name
+        write_mtp_export(staging, source, draft, state, heads, location=location, training_info=training_info)
+        return verify_mtp_export(staging, source, draft, state, heads)
+
+    def serve_command(self, export_dir, serve_target, num_speculative_tokens):
+        from dflash_train.target.vllm_export import mtp_serve_command
+
+        return mtp_serve_command(export_dir.resolve(), num_speculative_tokens)  # the export is the target
+
+
+FAMILIES: dict[str, DraftFamily] = {"block": BlockDrafts(), "mtp": MTPHeads()}
+
+
+def family_of(variant: DraftVariant) -> DraftFamily:
+    """The family of ``variant``."""
+    return FAMILIES[variant.family]
