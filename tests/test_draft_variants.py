@@ -134,7 +134,7 @@ def test_a_missing_nemo_automodel_names_the_install_line(monkeypatch):
     from dflash_train.variants import VARIANTS
 
     monkeypatch.setitem(sys.modules, "nemo_automodel.components.speculative", None)
-    for variant in VARIANTS.values():
+    for variant in [v for v in VARIANTS.values() if v.family == "block"]:  # MTP heads are our own module
         with pytest.raises(MissingDependencyError, match=r"install them with `pip install --no-deps nemo-automodel==0\.7\.0`"):
             variant.load_classes()
 

@@ -262,3 +262,24 @@ def test_the_cli_trains_mtp_heads_and_dflash_eval_decodes_the_export(tiny_salm_d
     data = json.loads(report.read_text())
     assert data["settings"]["num_speculative_tokens"] == 2  # the trained head count
     assert data["drafts"]["mtp"]["greedy_equal"] and data["drafts"]["mtp"]["acceptance"]["rounds"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_torchrun_trains_mtp_heads_on_two_ranks(tiny_salm_dir, demo_data, tmp_path, strategy):
+    """Two gloo processes through the real CLI: the sharded (FSDP2) or replicated (DDP) step trains,
+    gathers and exports once; the export reloads strictly."""
+    train_cuts, val_cuts = demo_data
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dflash_train", "--config-name=demo",
+         "dflash=mtp", f"model.pretrained_name={tiny_salm_dir}", f"data.train_ds.input_cfg.0.cuts_path={train_cuts}",
+         f"data.validation_ds.input_cfg.0.cuts_path={val_cuts}", "data.train_ds.bucket_estimate_samples=20",
+         "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "trainer.devices=2",
+         f"trainer.strategy.name={strategy}", f"exp_manager.explicit_log_dir={run_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("steps: 3; final train loss") == 2 and "no final export" not in out
+    _, heads = MTPStep.from_checkpoint(run_dir / "export")  # strict: every step tensor present, none extra
+    assert heads == 2 and "export: wrote" in out

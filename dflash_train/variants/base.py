@@ -117,7 +117,7 @@ class DraftVariant:
         return f"{self.name}, {cfg.draft_num_hidden_layers} layers"
 
     def load_classes(self) -> tuple[type[nn.Module], type[nn.Module]]:
-        """nemo_automodel's ``(draft model class, trainer core class)``."""
+        """nemo_automodel's ``(draft model class, trainer core class)`` (``block`` family)."""
         raise NotImplementedError
 
     def trainer_kwargs(self, cfg: DFlashConfig) -> dict:

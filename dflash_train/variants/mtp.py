@@ -96,6 +96,12 @@ class MTP(DraftVariant):
         if cfg.attention_backend == "flex_attention":
             yield "dflash.attention_backend=flex_attention: the MTP step trains with sdpa; set it to sdpa or null"
 
+    def load_classes(self):
+        raise TypeError(
+            "the mtp variant has no nemo_automodel classes: its draft is dflash_train.draft.mtp.MTPStep, trained by "
+            "dflash_train.draft.mtp_objective.MTPTrainerCore (the mtp draft family)"
+        )
+
     def step_weights(self, cfg: MTPConfig) -> list[float]:
         """The loss weight of each draft step: ``dflash.step_loss_weights``, else DFlash's decay."""
         if cfg.step_loss_weights is not None:
