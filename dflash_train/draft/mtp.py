@@ -114,6 +114,10 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * x).to(dtype)
 
 
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(queries, keys, values) -> outputs`` of one attention sublayer, heads first (``[..., heads, n, D]``)."""
+
+
 class AttentionSublayer(nn.Module):
     """A Nemotron-H attention block of an MTP step: ``norm`` then grouped-query attention, no RoPE."""
 
@@ -140,15 +144,23 @@ class AttentionSublayer(nn.Module):
         merged = attended.transpose(-3, -2)
         return self.o_proj(merged.reshape(*merged.shape[:-2], self.heads * self.head_dim))
 
-    def forward(self, x: torch.Tensor, cache: Optional["KVCache"]) -> torch.Tensor:
-        """``x`` ``[n, H]`` at the positions after ``cache``'s; appends their keys and values to it."""
-        n = x.shape[0]
-        q, k, v = self.project(x)
-        past = 0
+    def forward(
+        self, residual: torch.Tensor, cache: Optional["KVCache"] = None, attention: Optional[Attention] = None
+    ) -> torch.Tensor:
+        """``attention(q, k, v)`` of ``norm(residual)``, projected back to ``[..., n, H]``.
+
+        Decoding (``attention`` ``None``): ``residual`` ``[n, H]`` sits at the positions after
+        ``cache``'s, sees them and itself causally, and appends its keys and values to ``cache``.
+        Training passes its own ``attention`` (batched, with its masks and extra keys).
+        """
+        q, k, v = self.project(self.norm(residual))
+        if attention is not None:
+            return self.output(attention(q, k, v))
+        n, past = residual.shape[0], 0
         if cache is not None:
             past = cache.length
             k, v = cache.append(k, v)
-        mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        mask = torch.ones(n, past + n, dtype=torch.bool, device=residual.device).tril(diagonal=past)
         out = nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.heads != self.kv_heads
         )
@@ -195,26 +207,26 @@ class MTPStep(nn.Module):
     def new_cache(self) -> list[KVCache]:
         return [KVCache() for _ in self.layers]
 
-    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The step's input ``eh_proj(cat[enorm(embeds), hnorm(hidden)])`` (the embedding half first)."""
-        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cache: Optional[list[KVCache]] = None,
+        attention: Optional[Callable[[int], Attention]] = None,
+    ) -> torch.Tensor:
+        """Outputs ``[..., n, H]`` for ``n`` positions (``embeds``: next-token embeddings, ``hidden``: states).
 
-    def run_sublayers(self, x: torch.Tensor, attend: Callable[[int, AttentionSublayer, torch.Tensor], torch.Tensor]):
-        """The pre-norm residual stack on the fused input ``x``, ending in ``final_layernorm``;
-        ``attend(i, sublayer, normed)`` is sublayer ``i``'s attention (cached decoding or training masks)."""
+        ``cache``: one KV cache per sublayer (decoding); ``attention(i)``: sublayer ``i``'s attention
+        function instead (training). Every sublayer is called as a module, so FSDP2 gathers its weights.
+        """
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         residual = None
         for i, layer in enumerate(self.layers):
             residual = x if residual is None else x + residual
-            x = attend(i, layer, layer.norm(residual))
+            x = layer(
+                residual, cache[i] if cache is not None else None, attention(i) if attention is not None else None
+            )
         return self.final_layernorm(x + residual)
-
-    def forward(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, cache: Optional[list[KVCache]] = None
-    ) -> torch.Tensor:
-        """Outputs ``[n, H]`` for ``n`` positions (``embeds``: next-token embeddings, ``hidden``: states)."""
-        return self.run_sublayers(
-            self.fuse(embeds, hidden), lambda i, layer, x: layer(x, cache[i] if cache is not None else None)
-        )
 
     @classmethod
     def for_llm(cls, text_config, pattern: str = "*") -> "MTPStep":

@@ -114,12 +114,14 @@ class MTPTrainerCore(nn.Module):
         context: list[tuple[torch.Tensor, torch.Tensor]] = []
         first_mask = step_one_mask(doc_remaining)
 
-        def attend_first(i, layer, x):
-            q, k, v = layer.project(x)
-            context.append((k, v))
-            return layer.output(F.scaled_dot_product_attention(q, k, v, attn_mask=first_mask, **gqa))
+        def attend_first(i):
+            def attention(q, k, v):
+                context.append((k, v))
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=first_mask, **gqa)
 
-        first = step.run_sublayers(step.fuse(next_embeds, features.to(next_embeds.dtype)), attend_first)
+            return attention
+
+        first = step(next_embeds, features.to(next_embeds.dtype), attention=attend_first)
 
         anchors, keep = self.sample_anchors(valid_anchor_mask(loss_mask, doc_remaining, depth))
         drawn = anchors.shape[1]
@@ -133,14 +135,16 @@ class MTPTrainerCore(nn.Module):
         for k in range(2, depth + 1):
             mask = torch.cat([sees_context] + [own_chain] * (k - 1), dim=-1)[:, None]
 
-            def attend_chain(i, layer, x, mask=mask):
-                q, key, value = layer.project(x)
-                chain[i].append((key, value))
-                keys = torch.cat([context[i][0]] + [kv[0] for kv in chain[i]], dim=2)
-                values = torch.cat([context[i][1]] + [kv[1] for kv in chain[i]], dim=2)
-                return layer.output(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, **gqa))
+            def attend_chain(i, mask=mask):
+                def attention(q, key, value):
+                    chain[i].append((key, value))
+                    keys = torch.cat([context[i][0]] + [kv[0] for kv in chain[i]], dim=2)
+                    values = torch.cat([context[i][1]] + [kv[1] for kv in chain[i]], dim=2)
+                    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, **gqa)
 
-            outputs.append(step.run_sublayers(step.fuse(gather_at(embeds, anchors, k), outputs[-1]), attend_chain))
+                return attention
+
+            outputs.append(step(gather_at(embeds, anchors, k), outputs[-1], attention=attend_chain))
         return torch.stack(outputs, dim=2), anchors, keep
 
     def forward(
