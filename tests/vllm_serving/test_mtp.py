@@ -356,16 +356,15 @@ def test_mtp_serves_from_spawned_engine_processes(checkpoints, validation_cuts, 
 PARITY_DTYPE = "float32"  # as for DFlash parity: bf16 kernels round differently on the two sides
 
 
-@pytest.mark.parametrize("name, k", [("weak_echo", 3), ("weak_echo", 5), ("qwen3_weak_echo", 3)])
-def test_dflash_eval_reproduces_vllms_mtp_tokens_and_counters(name, k, checkpoints, requests_, validation_cuts,
-                                                              serving_reports):
+def _served_and_reference(target: Path, requests, k: int, validation_cuts: Path):
+    """vLLM's and ``dflash-eval --mtp``'s counters for ``target`` at K = ``k`` (float32), after checking that
+    both decode exactly vLLM's target-only and MTP tokens."""
     from dflash_train.config.schema import InputConfig
     from dflash_train.evaluate.loading import TargetSource
     from dflash_train.evaluate.run import MTP, TARGET_MTP_HEADS, evaluate, prepare
 
-    target = checkpoints[name]
-    served_target_only = serve(target, requests_, MAX_TOKENS, dtype=PARITY_DTYPE)
-    served = serve(target, requests_, MAX_TOKENS, num_speculative_tokens=k, dtype=PARITY_DTYPE)
+    served_target_only = serve(target, requests, MAX_TOKENS, dtype=PARITY_DTYPE)
+    served = serve(target, requests, MAX_TOKENS, num_speculative_tokens=k, dtype=PARITY_DTYPE)
     settings, loaded = prepare(
         TargetSource(checkpoint=str(target)),
         {MTP: TARGET_MTP_HEADS},
@@ -374,14 +373,20 @@ def test_dflash_eval_reproduces_vllms_mtp_tokens_and_counters(name, k, checkpoin
         max_new_tokens=MAX_TOKENS,
         dtype=PARITY_DTYPE,
         device="cpu",
-        limit=len(requests_),
+        limit=len(requests),
     )
     report_ = evaluate(settings, loaded)
     assert not report_.failures, report_.failures
-    assert [s.id for s in report_.samples] == [r.id for r in requests_]
+    assert [s.id for s in report_.samples] == [r.id for r in requests]
     assert first_mismatches(served_target_only.token_ids, [s.target.token_ids for s in report_.samples]) == {}
     assert first_mismatches(served.token_ids, [s.drafts[MTP].token_ids for s in report_.samples]) == {}
-    reference, counters = report_.counters(MTP), served.counters
+    return report_.counters(MTP), served.counters
+
+
+@pytest.mark.parametrize("name, k", [("weak_echo", 3), ("weak_echo", 5), ("qwen3_weak_echo", 3)])
+def test_dflash_eval_reproduces_vllms_mtp_tokens_and_counters(name, k, checkpoints, requests_, validation_cuts,
+                                                              serving_reports):
+    reference, counters = _served_and_reference(checkpoints[name], requests_, k, validation_cuts)
     serving_reports.append(
         f"MTP parity, {name}, K={k} (float32): reference decoder {reference.accepted} accepted / {reference.rounds} rounds, "
         f"per position {reference.accepted_per_position}; vLLM {counters.accepted} / {counters.rounds}, "
@@ -400,30 +405,10 @@ def test_a_trained_mtp_export_serves_with_exact_parity(k, trained_mtp_export, va
     ``dflash-eval --mtp``'s, and the training-time acceptance is set beside the served one."""
     from transformers import AutoTokenizer
 
-    from dflash_train.config.schema import InputConfig
-    from dflash_train.evaluate.loading import TargetSource
-    from dflash_train.evaluate.run import MTP, TARGET_MTP_HEADS, evaluate, prepare
-
     config = json.loads((trained_mtp_export / "config.json").read_text())
     assert config["mtp"]["num_nextn_predict_layers"] == 2 and config["training_info"]["variant"] == "mtp"
     requests = validation_requests(validation_cuts, AutoTokenizer.from_pretrained(trained_mtp_export), REQUESTS)
-    served_target_only = serve(trained_mtp_export, requests, MAX_TOKENS, dtype=PARITY_DTYPE)
-    served = serve(trained_mtp_export, requests, MAX_TOKENS, num_speculative_tokens=k, dtype=PARITY_DTYPE)
-    settings, loaded = prepare(
-        TargetSource(checkpoint=str(trained_mtp_export)),
-        {MTP: TARGET_MTP_HEADS},
-        InputConfig(type="lhotse_as_conversation", cuts_path=str(validation_cuts)),
-        num_speculative_tokens=k,
-        max_new_tokens=MAX_TOKENS,
-        dtype=PARITY_DTYPE,
-        device="cpu",
-        limit=len(requests),
-    )
-    report_ = evaluate(settings, loaded)
-    assert not report_.failures, report_.failures
-    assert first_mismatches(served_target_only.token_ids, [s.target.token_ids for s in report_.samples]) == {}
-    assert first_mismatches(served.token_ids, [s.drafts[MTP].token_ids for s in report_.samples]) == {}
-    reference, counters = report_.counters(MTP), served.counters
+    reference, counters = _served_and_reference(trained_mtp_export, requests, k, validation_cuts)
     assert reference.accepted > 0, "the trained heads were never accepted"
     assert (reference.rounds, list(reference.accepted_per_position)) == (
         counters.rounds,
