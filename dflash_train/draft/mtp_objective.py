@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dflash_train.draft.mtp import MTPStep
+from dflash_train.target.taps import document_attention_mask
 from dflash_train.variants.mtp import valid_anchor_mask
 
 
@@ -52,14 +53,11 @@ class MTPStepMetrics:
     step_tokens: torch.Tensor  # [D] supervised predictions per draft step
 
 
-def step_one_mask(doc_remaining: torch.Tensor) -> torch.Tensor:
-    """``[B, 1, S, S]``: entry *i* attends to entries *j ≤ i* of its own document (never padding;
-    a padding row sees only itself, its output unused)."""
-    length = doc_remaining.shape[1]
-    j = torch.arange(length, device=doc_remaining.device)
-    reaches = (j[None, :] + doc_remaining)[:, None, :] >= j[None, :, None]  # [B, i, j]: j's document reaches i
-    mask = (j[None, :] <= j[:, None])[None] & reaches & (doc_remaining >= 0)[:, None, :]
-    return (mask | torch.eye(length, dtype=torch.bool, device=doc_remaining.device))[:, None]
+def documents_of(doc_remaining: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` document index per position (``-1`` on padding), from the real tokens left in each
+    position's document: a document ends where none is left."""
+    ends = doc_remaining == 0
+    return torch.where(doc_remaining >= 0, ends.long().cumsum(dim=1) - ends.long(), -1)
 
 
 def gather_at(tensor: torch.Tensor, anchors: torch.Tensor, offset: int) -> torch.Tensor:
@@ -106,13 +104,13 @@ class MTPTrainerCore(nn.Module):
         """``(states [B, A, D, H], anchors [B, A], keep [B, A])``: the step's output at every draft step of
         every sampled anchor (module docstring), before the LM head."""
         step, depth = self.draft_model, self.num_steps
-        batch, length, _ = features.shape
+        batch = features.shape[0]
         gqa = dict(enable_gqa=step.layers[0].heads != step.layers[0].kv_heads)
 
         # step 1 at every position: entry i fuses token i+1's embedding with the target's hidden state i
         next_embeds = torch.cat([embeds[:, 1:], torch.zeros_like(embeds[:, :1])], dim=1)
         context: list[tuple[torch.Tensor, torch.Tensor]] = []
-        first_mask = step_one_mask(doc_remaining)
+        first_mask = document_attention_mask(documents_of(doc_remaining))  # the target's own document masking
 
         def attend_first(i):
             def attention(q, k, v):
@@ -126,10 +124,7 @@ class MTPTrainerCore(nn.Module):
         anchors, keep = self.sample_anchors(valid_anchor_mask(loss_mask, doc_remaining, depth))
         drawn = anchors.shape[1]
         outputs = [gather_at(first, anchors, 0)]
-        positions = torch.arange(length, device=features.device)
-        sees_context = (positions[None, None, :] <= anchors[:, :, None]) & (
-            (positions[None, :] + doc_remaining)[:, None, :] >= anchors[:, :, None]
-        )  # [B, A, S]: entries j <= p of p's document
+        sees_context = gather_at(first_mask[:, 0], anchors, 0)  # [B, A, S]: anchor p's row, entries j <= p of its document
         own_chain = torch.eye(drawn, dtype=torch.bool, device=features.device).expand(batch, -1, -1)
         chain: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in step.layers]
         for k in range(2, depth + 1):

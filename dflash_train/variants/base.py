@@ -14,6 +14,7 @@ from typing import Iterator, NamedTuple, Optional
 import torch
 from torch import nn
 
+from dflash_train.constants import speculative_tokens
 from dflash_train.errors import MissingDependencyError
 
 AUTOMODEL_INSTALL = "pip install --no-deps nemo-automodel==0.7.0"
@@ -110,7 +111,7 @@ class DraftVariant:
 
     def speculative_tokens(self, cfg: DFlashConfig) -> int:
         """K, the tokens vLLM should draft per round with this variant's export."""
-        return cfg.block_size - 1
+        return speculative_tokens(cfg.block_size)
 
     def describe_draft(self, cfg: DFlashConfig) -> str:
         """The draft's shape in a log line."""
