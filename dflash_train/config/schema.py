@@ -45,15 +45,19 @@ class ModelConfig:
 class InputConfig:
     """One data source in ``input_cfg`` (see docs/data.md for the record formats).
 
-    ``lhotse_as_conversation`` reads a lhotse CutSet (``cuts_path``) or a NeMo ASR manifest
-    (``manifest_filepath``) and turns every utterance into [system] [user: context]
-    [user: audio] [assistant: transcript]. ``multimodal_conversation`` reads multi-turn
-    conversation JSONL (``manifest_filepath``).
+    ``lhotse_as_conversation`` reads a lhotse CutSet (``cuts_path``), a lhotse Shar directory
+    (``shar_path``), a NeMo ASR manifest (``manifest_filepath``) or NeMo tarred audio
+    (``manifest_filepath`` + ``tarred_audio_filepaths``) and turns every utterance into
+    [system] [user: context] [user: audio] [assistant: transcript]; NeMo's narrower type names
+    (``lhotse``, ``lhotse_shar``, ``nemo``, ``nemo_tarred``) read the same way.
+    ``multimodal_conversation`` reads multi-turn conversation JSONL (``manifest_filepath``).
     """
 
     type: str = MISSING
     cuts_path: Optional[str] = None
+    shar_path: Optional[str] = None
     manifest_filepath: Optional[str] = None
+    tarred_audio_filepaths: Optional[str] = None
     weight: float = 1.0
     name: Optional[str] = None
     tags: dict = field(default_factory=dict)

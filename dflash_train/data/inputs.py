@@ -20,12 +20,22 @@ Formats (docs/data.md has examples):
   (``audio_filepath``, ``duration``, ``text``, optional ``offset``, ``context``).
 - ``multimodal_conversation`` + ``manifest_filepath``: NeMo's conversation JSONL
   (``id``, ``conversations: [{from, type: text|audio, value, duration, offset}]``).
+- ``lhotse_as_conversation`` / ``lhotse_shar`` + ``shar_path``: a lhotse Shar directory, read by
+  NeMo's own reader (``nemo.collections.common.data.lhotse.cutset``).
+- ``lhotse_as_conversation`` / ``nemo_tarred`` + ``manifest_filepath`` + ``tarred_audio_filepaths``:
+  NeMo tarred audio (brace-expanded shard lists), read by NeMo's ``LazyNeMoTarredIterator``.
+  NeMo's reader drops an audio file it cannot decode with a log line; here every such
+  manifest entry comes back as a counted ``unreadable_audio`` skip.
+
+Shards are read in a fixed, seeded order, the same on every rank: the stream is deterministic
+(exact resume) and rank *r* takes records ``i % world_size == r`` as for plain files.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +51,21 @@ from dflash_train.data.conversation import ROLES, Conversation, DataError, Sampl
 CONTEXT_TAG = "context"
 SYSTEM_PROMPT_TAG = "system_prompt"
 TAG_KEYS = (CONTEXT_TAG, SYSTEM_PROMPT_TAG)
-INPUT_TYPES = ("lhotse_as_conversation", "multimodal_conversation")
+# Where an input's records come from, decided by which path keys it sets (see input_source).
+CUTS, SHAR, MANIFEST, TARRED_MANIFEST, CONVERSATIONS = "cuts", "shar", "manifest", "tarred_manifest", "conversations"
+# Each type (NeMo's names) and the sources it may read; every ASR source becomes
+# [system] [user: context] [user: audio] [assistant: transcript].
+TYPE_SOURCES = {
+    "lhotse_as_conversation": (CUTS, SHAR, MANIFEST, TARRED_MANIFEST),
+    "lhotse": (CUTS, SHAR),
+    "lhotse_shar": (SHAR,),
+    "nemo": (MANIFEST,),
+    "nemo_tarred": (TARRED_MANIFEST,),
+    "multimodal_conversation": (CONVERSATIONS,),
+}
+INPUT_TYPES = tuple(TYPE_SOURCES)
+# Path prefixes lhotse opens remotely (smart_open, AIStore, pipes): never checked as local files.
+REMOTE_PREFIXES = ("s3://", "ais://", "gs://", "http://", "https://", "pipe:")
 
 
 @dataclass
@@ -54,8 +78,37 @@ class Input:
 
 
 def input_path(cfg: InputConfig) -> str:
-    """The file an input reads (``cuts_path`` or ``manifest_filepath``)."""
-    return cfg.cuts_path if cfg.cuts_path is not None else cfg.manifest_filepath
+    """The file (or Shar directory) an input reads: ``cuts_path``, ``shar_path`` or ``manifest_filepath``."""
+    for path in (cfg.cuts_path, cfg.shar_path, cfg.manifest_filepath):
+        if path is not None:
+            return path
+    return None
+
+
+def input_source(cfg: InputConfig) -> Optional[str]:
+    """Which kind of records the input's path keys select (``None`` when they set no single path)."""
+    paths = [p for p in (cfg.cuts_path, cfg.shar_path, cfg.manifest_filepath) if p is not None]
+    if len(paths) != 1:
+        return None
+    if cfg.cuts_path is not None:
+        return CUTS
+    if cfg.shar_path is not None:
+        return SHAR
+    if cfg.type == "multimodal_conversation":
+        return CONVERSATIONS
+    return MANIFEST if cfg.tarred_audio_filepaths is None else TARRED_MANIFEST
+
+
+def is_remote(path: str) -> bool:
+    """Whether lhotse opens ``path`` remotely (``s3://``, ``ais://``, ``http(s)://``, ``pipe:``...)."""
+    return str(path).startswith(REMOTE_PREFIXES)
+
+
+def expand_shards(path: str) -> list[str]:
+    """NeMo's expansion of a sharded path (``audio_{0..7}.tar``, ``audio__OP_0..7_CL_.tar``, lists)."""
+    from nemo.collections.common.data.lhotse.nemo_adapters import expand_sharded_filepaths
+
+    return [str(p) for p in expand_sharded_filepaths(path)]
 
 
 def input_name(cfg: InputConfig) -> str:
@@ -68,20 +121,28 @@ def input_name(cfg: InputConfig) -> str:
     return name
 
 
-def open_input(cfg: InputConfig, system_prompt: Optional[str], sampling_rate: int) -> Input:
-    """Open one ``input_cfg`` entry lazily (nothing is read until iteration)."""
+def open_input(cfg: InputConfig, system_prompt: Optional[str], sampling_rate: int, shard_seed: int = 0) -> Input:
+    """Open one ``input_cfg`` entry lazily (nothing is read until iteration).
+
+    ``shard_seed`` fixes the order in which a Shar input's shards are read; it must be the same
+    on every rank (records are dealt to ranks by their index in that order).
+    """
     tags = dict(cfg.tags or {})
     defaults = _Defaults(
         context=tags.get(CONTEXT_TAG),
         system_prompt=tags.get(SYSTEM_PROMPT_TAG, system_prompt),
         sampling_rate=sampling_rate,
     )
-    path = input_path(cfg)
-    if cfg.type == "lhotse_as_conversation" and cfg.cuts_path is not None:
+    path, source = input_path(cfg), input_source(cfg)
+    if source == CUTS:
         cuts = CutRecords(path) if path.endswith((".jsonl", ".jsonl.gz")) else CutSet.from_file(path)
         return Input(cfg.weight, cuts, defaults.cut_to_conversation)
+    if source == SHAR:
+        return Input(cfg.weight, SharCuts(path, shard_seed), defaults.cut_to_conversation)
+    if source == TARRED_MANIFEST:
+        return Input(cfg.weight, TarredCuts(path, cfg.tarred_audio_filepaths), defaults.cut_to_conversation)
     records = JsonlRecords(path)
-    if cfg.type == "lhotse_as_conversation":
+    if source == MANIFEST:
         return Input(cfg.weight, records, defaults.nemo_entry_to_conversation)
     supervise_last_only = cfg.assistant_turns == "last"
     return Input(
@@ -116,10 +177,9 @@ class JsonlRecords:
 
     def __iter__(self) -> Iterator[JsonRecord]:
         gzipped = self.path.endswith(".gz")
-        opener = gzip.open if gzipped else open
         line_no = 0
         try:
-            with opener(self.path, "rt", encoding="utf-8") as handle:
+            with _open_text(self.path) as handle:
                 for line_no, line in enumerate(handle, start=1):
                     if not line.strip():
                         continue
@@ -135,6 +195,15 @@ class JsonlRecords:
             raise DataError(
                 f"{self.path}:{line_no + 1}: cannot be read as {kind} ({type(err).__name__}: {err})"
             ) from None
+
+
+def _open_text(path: str):
+    """A text handle on a (gzipped) JSONL file: local files directly, remote ones through lhotse's ``open_best``."""
+    if is_remote(path):
+        from lhotse.serialization import open_best
+
+        return open_best(path, "r")  # smart_open: decompresses .gz by the name
+    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, "rt", encoding="utf-8")
 
 
 class CutRecords:
@@ -155,6 +224,83 @@ class CutRecords:
                 raise DataError(f"{record.where}: not a lhotse cut ({type(err).__name__}: {err})") from None
 
 
+class SharCuts:
+    """Re-iterable cuts of a lhotse Shar directory, read by NeMo's ``lhotse_shar`` parser.
+
+    The shards are shuffled with the integer ``shard_seed`` (the same order on every rank and
+    every run) and the set is finite: the data module repeats and blends it.
+    """
+
+    def __init__(self, shar_path: str, shard_seed: int):
+        self.shar_path = shar_path
+        self.shard_seed = shard_seed
+
+    def __iter__(self) -> Iterator[Cut]:
+        from nemo.collections.common.data.lhotse.cutset import get_parser_fn
+        from omegaconf import OmegaConf
+
+        config = OmegaConf.create({"shar_path": self.shar_path, "shard_seed": self.shard_seed, "force_finite": True})
+        cuts, _ = get_parser_fn("lhotse_shar")(config)
+        yield from cuts
+
+
+# NeMo's tarred manifests name segments of one tar member "<stem>-sub<k><ext>"
+_SEGMENT_SUFFIX = re.compile(r"^(?P<stem>.+)-sub\d+(?P<ext>\.\w+)?$")
+
+
+def tar_member_name(audio_filepath: str) -> str:
+    """The tar member a tarred manifest entry's ``audio_filepath`` is read from (NeMo's ``-subK`` rule)."""
+    match = _SEGMENT_SUFFIX.match(audio_filepath)
+    return audio_filepath if match is None else match.group("stem") + (match.group("ext") or "")
+
+
+@dataclass(frozen=True)
+class UndecodableEntry:
+    """A tarred manifest entry whose audio NeMo's reader could not decode (it yields nothing for it)."""
+
+    shard: str
+    entry: str
+
+
+class TarredCuts:
+    """Re-iterable cuts of NeMo tarred audio, read by NeMo's ``LazyNeMoTarredIterator`` in shard-id order.
+
+    NeMo's reader skips an audio file it cannot decode (and a tar it cannot read) with a log
+    line only. This reader compares each shard's manifest with what came out of it and yields
+    an :class:`UndecodableEntry` for every entry that did not, so the skip is counted.
+    """
+
+    def __init__(self, manifest_filepath: str, tarred_audio_filepaths: str):
+        self.manifest_filepath = manifest_filepath
+        self.tarred_audio_filepaths = tarred_audio_filepaths
+
+    def __iter__(self) -> Iterator[Cut | UndecodableEntry]:
+        from nemo.collections.common.data.lhotse.nemo_adapters import LazyNeMoTarredIterator
+
+        reader = LazyNeMoTarredIterator(self.manifest_filepath, self.tarred_audio_filepaths, shuffle_shards=False)
+        order = reader.shard_ids  # the reader's order without shuffling
+        shard_of_tar = {str(tar): sid for sid, tar in reader.shard_id_to_tar_path.items()}
+        produced: dict[int, set[str]] = {sid: set() for sid in order}
+        finished = 0  # shards order[:finished] are done
+
+        def close_shards(upto: int) -> Iterator[UndecodableEntry]:
+            for sid in order[finished:upto]:
+                tar = str(reader.shard_id_to_tar_path[sid])
+                for entry in reader.shard_id_to_manifest[sid]:
+                    name = tar_member_name(str(entry["audio_filepath"]))
+                    if not entry.get("_skipme", False) and name not in produced[sid]:
+                        yield UndecodableEntry(tar, str(entry["audio_filepath"]))
+
+        for cut in reader:
+            sid = shard_of_tar[str(cut.tar_origin)]
+            position = order.index(sid)
+            yield from close_shards(position)
+            finished = position
+            produced[sid].add(str(cut.recording_id))  # the tar member it was decoded from
+            yield cut
+        yield from close_shards(len(order))
+
+
 @dataclass(frozen=True)
 class _Defaults:
     """Per-input defaults applied while converting records."""
@@ -171,8 +317,10 @@ class _Defaults:
             turns.append(Turn("user", text=context))
         return turns
 
-    def cut_to_conversation(self, cut: Cut) -> Conversation:
+    def cut_to_conversation(self, cut: Cut | UndecodableEntry) -> Conversation:
         """[system] [user: context] [user: audio] [assistant: ``supervisions[0].text``]."""
+        if isinstance(cut, UndecodableEntry):
+            raise SampleSkipped("unreadable_audio", f"{cut.shard}: NeMo's reader could not decode {cut.entry}")
         if not cut.supervisions:
             raise SampleSkipped("no_supervision", f"cut '{cut.id}' has no supervision")
         reply = _reply_text(cut.supervisions[0].text, cut.id)
@@ -346,7 +494,10 @@ def checked_audio(cut: Cut, sample_id: str, sampling_rate: int) -> Cut:
         raise SampleSkipped("missing_audio", f"sample '{sample_id}' has no recording")
     for part in recorded:
         for source in part.recording.sources:
-            if source.type != "file":
+            if source.type == "memory":  # read from a shard: decode it (an undecodable file is a skip)
+                _check_finite(part, sample_id, f"{part.recording.id} (in a shard)")
+                continue
+            if source.type != "file":  # remote (url, ...): opened when the batch is loaded
                 continue
             opened = _open_recording(Path(source.source), sample_id)
             if opened.recording.num_samples == 0:

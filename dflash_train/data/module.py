@@ -139,7 +139,10 @@ class SpeechDataModule(L.LightningDataModule):
         )
         return [
             ExampleStream(
-                open_input(inp, self.cfg.system_prompt, self.estimator.sampling_rate), prepare, self.skips, sharded
+                open_input(inp, self.cfg.system_prompt, self.estimator.sampling_rate, shard_seed=self.seed),
+                prepare,
+                self.skips,
+                sharded,
             )
             for inp in inputs
         ]

@@ -8,11 +8,29 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_train.config.schema import DataConfig, DatasetConfig, InputConfig
-from dflash_train.data.inputs import INPUT_TYPES, TAG_KEYS, input_path
+from dflash_train.data.inputs import (
+    CONVERSATIONS,
+    INPUT_TYPES,
+    SHAR,
+    TAG_KEYS,
+    TARRED_MANIFEST,
+    TYPE_SOURCES,
+    expand_shards,
+    input_path,
+    input_source,
+    is_remote,
+)
 from dflash_train.data.prompt import PROMPT_FORMATS
 from dflash_train.errors import ConfigError
 
 ASSISTANT_TURNS = ("all", "last")
+_SOURCE_KEYS = {
+    "cuts": "cuts_path (lhotse cuts)",
+    SHAR: "shar_path (a lhotse Shar directory)",
+    "manifest": "manifest_filepath (NeMo manifest)",
+    TARRED_MANIFEST: "manifest_filepath + tarred_audio_filepaths (NeMo tarred audio)",
+    CONVERSATIONS: "manifest_filepath (conversation JSONL)",
+}
 
 
 def _require(condition: bool, message: str) -> None:
@@ -22,17 +40,17 @@ def _require(condition: bool, message: str) -> None:
 
 def _check_input(inp: InputConfig, key: str) -> None:
     _require(inp.type in INPUT_TYPES, f"{key}.type='{inp.type}' is unknown; choose one of {list(INPUT_TYPES)}")
-    if inp.type == "lhotse_as_conversation":
-        _require(
-            (inp.cuts_path is None) != (inp.manifest_filepath is None),
-            f"{key}: type lhotse_as_conversation needs exactly one of cuts_path (lhotse cuts) and "
-            "manifest_filepath (NeMo manifest)",
-        )
-    else:
-        _require(
-            inp.manifest_filepath is not None and inp.cuts_path is None,
-            f"{key}: type multimodal_conversation reads manifest_filepath (conversation JSONL); cuts_path is not used",
-        )
+    source, allowed = input_source(inp), TYPE_SOURCES[inp.type]
+    _require(
+        source is not None and source in allowed,
+        f"{key}: type {inp.type} reads {_SOURCE_KEYS[allowed[0]]}"
+        + "".join(f" or {_SOURCE_KEYS[other]}" for other in allowed[1:])
+        + " (exactly one path key)",
+    )
+    _require(
+        inp.tarred_audio_filepaths is None or source == TARRED_MANIFEST,
+        f"{key}.tarred_audio_filepaths goes with manifest_filepath (NeMo tarred audio) of an ASR input type",
+    )
     _require(inp.weight > 0, f"{key}.weight={inp.weight} must be > 0")
     unknown = sorted(set(inp.tags or {}) - set(TAG_KEYS))
     _require(not unknown, f"{key}.tags.{unknown[0] if unknown else ''} is unknown; tags are {list(TAG_KEYS)}")
@@ -107,17 +125,42 @@ def check_data_rules(cfg: DataConfig) -> None:
         _check_split(cfg.validation_ds, "data.validation_ds")
 
 
+def _check_local_file(path: str, where: str) -> None:
+    _require(not Path(path).is_dir(), f"{where} is a directory; give the manifest file (.jsonl or .jsonl.gz)")
+    _require(Path(path).is_file(), f"{where} does not exist")
+    _require(Path(path).stat().st_size > 0, f"{where} is empty; give a manifest with at least one record")
+
+
+def _check_paths(inp: InputConfig, key: str) -> None:
+    """Local paths must exist (every shard of a sharded one); remote ones are lhotse's to open."""
+    if input_source(inp) == SHAR:
+        where = f"{key}.shar_path='{inp.shar_path}'"
+        if not is_remote(inp.shar_path):
+            _require(Path(inp.shar_path).is_dir(), f"{where} is not a directory; give the lhotse Shar directory")
+            _require(
+                any(Path(inp.shar_path).glob("cuts.*")), f"{where} holds no cuts.* shard; is it a lhotse Shar directory?"
+            )
+        return
+    field = "cuts_path" if inp.cuts_path is not None else "manifest_filepath"
+    fields = [(field, input_path(inp))]
+    if inp.tarred_audio_filepaths is not None:
+        fields.append(("tarred_audio_filepaths", inp.tarred_audio_filepaths))
+    for name, value in fields:
+        for path in expand_shards(value) if input_source(inp) == TARRED_MANIFEST else [value]:
+            if not is_remote(path):
+                shard = "" if path == value else f" (shard {path})"
+                _check_local_file(path, f"{key}.{name}='{value}'{shard}")
+
+
 def validate_data_config(cfg: DataConfig) -> None:
-    """Start-up check before any model is built: the rules, then every input path is a non-empty file."""
+    """Start-up check before any model is built: the rules, then every local input path exists and is not empty.
+
+    Remote paths (``s3://``, ``ais://``, ``http(s)://``, ``pipe:``) are opened by lhotse when read.
+    """
     check_data_rules(cfg)
     splits = [("data.train_ds", cfg.train_ds)]
     if cfg.validation_ds is not None:
         splits.append(("data.validation_ds", cfg.validation_ds))
     for key, ds in splits:
         for i, inp in enumerate(ds.input_cfg):
-            path = input_path(inp)
-            field = "cuts_path" if inp.cuts_path is not None else "manifest_filepath"
-            where = f"{key}.input_cfg[{i}].{field}='{path}'"
-            _require(not Path(path).is_dir(), f"{where} is a directory; give the manifest file (.jsonl or .jsonl.gz)")
-            _require(Path(path).is_file(), f"{where} does not exist")
-            _require(Path(path).stat().st_size > 0, f"{where} is empty; give a manifest with at least one record")
+            _check_paths(inp, f"{key}.input_cfg[{i}]")
