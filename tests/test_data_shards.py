@@ -211,3 +211,73 @@ def test_training_from_shards_counts_the_bad_file_and_resumes_exactly(kind, tiny
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst <= 1e-6, f"resumed weights differ by {worst}"
     assert not same_tensors(a, at_two), "steps 3-4 did not train"
+
+
+@pytest.fixture(scope="module")
+def tarred_conversations(source_cuts, tmp_path_factory) -> tuple[str, str, list[str]]:
+    """NeMo's tarred conversations, written by NeMo's ``NeMoMultimodalConversationTarWriter`` (3 per shard):
+    two spoken questions and two replies each; one audio file in shard 0 is replaced by undecodable bytes."""
+    from nemo.collections.common.data.lhotse.text_adapters import (
+        AudioTurn,
+        NeMoMultimodalConversation,
+        NeMoMultimodalConversationTarWriter,
+        TextTurn,
+    )
+
+    out = tmp_path_factory.mktemp("tarred_conversations")
+    ids = []
+    with NeMoMultimodalConversationTarWriter(str(out), shard_size=3) as writer:
+        for k in range(6):
+            first, second = source_cuts[2 * k], source_cuts[2 * k + 1]
+            turns = [AudioTurn(first, "user", TAG), TextTurn(first.supervisions[0].text, "assistant"),
+                     AudioTurn(second, "user", TAG), TextTurn(second.supervisions[0].text, "assistant")]
+            writer.write(NeMoMultimodalConversation(id=f"chat-{k}", turns=turns))
+            ids.append(f"chat-{k}")
+    with tarfile.open(out / "audio_0.tar") as tar:
+        member = next(name for name in tar.getnames() if name.startswith(source_cuts[2].id) and not name.endswith(".json"))
+    _replace_member(out / "audio_0.tar", member, GARBAGE)  # the first audio of chat-1
+    return str(out / "manifest_{0..1}.jsonl"), str(out / "audio_{0..1}.tar"), ids
+
+
+def test_tarred_conversations_read_through_nemo_and_count_the_undecodable_one(tarred_conversations, source_cuts,
+                                                                             tiny_target, audio_estimator):
+    manifests, tars, ids = tarred_conversations
+    inp = InputConfig(type="multimodal_conversation", manifest_filepath=manifests, tarred_audio_filepaths=tars)
+    validate_data_config_for(inp)
+    stream, counter = _stream(inp, tiny_target, audio_estimator)
+    examples = list(stream)
+    assert [ex.id for ex in examples] == [i for i in ids if i != "chat-1"]
+    assert dict(counter.counts) == {"unreadable_audio": 1}
+    chat_0 = examples[0]
+    assert len(chat_0.audio) == 2 and chat_0.num_supervised > 0
+    replies = tiny_target.tokenizer.tokenizer.decode(chat_0.input_ids[chat_0.loss_mask].tolist())
+    assert replies == f"{source_cuts[0].supervisions[0].text}<|im_end|>{source_cuts[1].supervisions[0].text}<|im_end|>"
+    for audio, cut in zip(chat_0.audio, source_cuts[:2]):
+        assert (audio.load_audio() == cut.load_audio()).all()
+
+
+def validate_data_config_for(inp: InputConfig) -> None:
+    from dflash_train.config.schema import DataConfig, DatasetConfig
+
+    validate_data_config(DataConfig(train_ds=DatasetConfig(input_cfg=[inp], batch_size=2)))
+
+
+def test_an_undecodable_file_in_a_nemo_style_conversation_tar_counts_the_rest_of_its_shard(
+        tarred_conversations, tiny_target, audio_estimator, tmp_path):
+    """NeMo's own tar layout holds audio only (no lhotse metadata): NeMo's reader decodes each file as it
+    reads the tar and cannot go past a broken one, so the rest of that shard is counted, the next shard read."""
+    import shutil
+
+    manifests, tars, ids = tarred_conversations
+    source = Path(tars).parent
+    for shard in (0, 1):
+        shutil.copy(source / f"manifest_{shard}.jsonl", tmp_path / f"manifest_{shard}.jsonl")
+        with tarfile.open(source / f"audio_{shard}.tar") as src, tarfile.open(tmp_path / f"audio_{shard}.tar", "w") as dst:
+            for info in src.getmembers():
+                if not info.name.endswith(".json"):
+                    dst.addfile(info, src.extractfile(info))
+    inp = InputConfig(type="multimodal_conversation", manifest_filepath=str(tmp_path / "manifest_{0..1}.jsonl"),
+                      tarred_audio_filepaths=str(tmp_path / "audio_{0..1}.tar"))
+    stream, counter = _stream(inp, tiny_target, audio_estimator)
+    assert [ex.id for ex in stream] == ["chat-0", "chat-3", "chat-4", "chat-5"]
+    assert dict(counter.counts) == {"unreadable_audio": 1, "after_unreadable_audio": 1}

@@ -17,7 +17,8 @@ ROLES = ("system", "user", "assistant")
 # reason -> what it means; the counters are logged as data/skipped/<reason>.
 SKIP_REASONS = {
     "missing_audio": "an audio file does not exist",
-    "unreadable_audio": "an audio file exists but cannot be opened as audio",
+    "unreadable_audio": "an audio file (on disk or in a shard) exists but cannot be opened as audio",
+    "after_unreadable_audio": "a tarred conversation after an undecodable file in its shard (NeMo's reader stops there)",
     "nonfinite_audio": "an audio segment holds NaN or infinite samples",
     "empty_audio": "an audio segment has zero length",
     "audio_out_of_range": "offset + duration run past the end of the audio file",

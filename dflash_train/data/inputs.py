@@ -52,7 +52,8 @@ CONTEXT_TAG = "context"
 SYSTEM_PROMPT_TAG = "system_prompt"
 TAG_KEYS = (CONTEXT_TAG, SYSTEM_PROMPT_TAG)
 # Where an input's records come from, decided by which path keys it sets (see input_source).
-CUTS, SHAR, MANIFEST, TARRED_MANIFEST, CONVERSATIONS = "cuts", "shar", "manifest", "tarred_manifest", "conversations"
+CUTS, SHAR, MANIFEST, TARRED_MANIFEST = "cuts", "shar", "manifest", "tarred_manifest"
+CONVERSATIONS, TARRED_CONVERSATIONS = "conversations", "tarred_conversations"
 # Each type (NeMo's names) and the sources it may read; every ASR source becomes
 # [system] [user: context] [user: audio] [assistant: transcript].
 TYPE_SOURCES = {
@@ -61,7 +62,7 @@ TYPE_SOURCES = {
     "lhotse_shar": (SHAR,),
     "nemo": (MANIFEST,),
     "nemo_tarred": (TARRED_MANIFEST,),
-    "multimodal_conversation": (CONVERSATIONS,),
+    "multimodal_conversation": (CONVERSATIONS, TARRED_CONVERSATIONS),
 }
 INPUT_TYPES = tuple(TYPE_SOURCES)
 # Path prefixes lhotse opens remotely (smart_open, AIStore, pipes): never checked as local files.
@@ -95,7 +96,7 @@ def input_source(cfg: InputConfig) -> Optional[str]:
     if cfg.shar_path is not None:
         return SHAR
     if cfg.type == "multimodal_conversation":
-        return CONVERSATIONS
+        return CONVERSATIONS if cfg.tarred_audio_filepaths is None else TARRED_CONVERSATIONS
     return MANIFEST if cfg.tarred_audio_filepaths is None else TARRED_MANIFEST
 
 
@@ -141,10 +142,16 @@ def open_input(cfg: InputConfig, system_prompt: Optional[str], sampling_rate: in
         return Input(cfg.weight, SharCuts(path, shard_seed), defaults.cut_to_conversation)
     if source == TARRED_MANIFEST:
         return Input(cfg.weight, TarredCuts(path, cfg.tarred_audio_filepaths), defaults.cut_to_conversation)
+    supervise_last_only = cfg.assistant_turns == "last"
+    if source == TARRED_CONVERSATIONS:
+        return Input(
+            cfg.weight,
+            TarredConversations(path, cfg.tarred_audio_filepaths),
+            lambda record: defaults.nemo_conversation_to_conversation(record, supervise_last_only),
+        )
     records = JsonlRecords(path)
     if source == MANIFEST:
         return Input(cfg.weight, records, defaults.nemo_entry_to_conversation)
-    supervise_last_only = cfg.assistant_turns == "last"
     return Input(
         cfg.weight, records, lambda record: defaults.conversation_record_to_conversation(record, supervise_last_only)
     )
@@ -302,6 +309,59 @@ class TarredCuts:
 
 
 @dataclass(frozen=True)
+class UnreadShardRest:
+    """A conversation of a tarred shard after one whose audio NeMo's reader could not decode.
+
+    NeMo's conversation reader stops at such a file (its tar stream cannot continue), so the
+    rest of that shard is not read; each of its conversations is counted, never dropped silently.
+    """
+
+    shard: str
+    line: int
+    cause: str
+
+
+class TarredConversations:
+    """Re-iterable conversations of NeMo's tarred conversation format (``manifest_<k>.jsonl`` +
+    ``audio_<k>.tar``, as ``NeMoMultimodalConversationTarWriter`` writes them), read shard by shard
+    in the given order by NeMo's ``NeMoMultimodalConversationJsonlAdapter``.
+
+    A shard whose audio fails to decode yields an :class:`UndecodableEntry` for the conversation
+    being read and an :class:`UnreadShardRest` for each later one; the next shard is read as usual.
+    """
+
+    def __init__(self, manifest_filepath: str, tarred_audio_filepaths: str):
+        self.manifests = expand_shards(manifest_filepath)
+        self.tars = expand_shards(tarred_audio_filepaths)
+        if len(self.manifests) != len(self.tars):
+            raise DataError(
+                f"tarred conversations: {len(self.manifests)} manifests ({manifest_filepath}) but "
+                f"{len(self.tars)} tars ({tarred_audio_filepaths}); give one tar per manifest"
+            )
+
+    def __iter__(self) -> Iterator[Any]:
+        from nemo.collections.common.data.lhotse.text_adapters import NeMoMultimodalConversationJsonlAdapter
+
+        for manifest, tar in zip(self.manifests, self.tars):
+            reader = NeMoMultimodalConversationJsonlAdapter(
+                manifest_filepath=manifest, tarred_audio_filepaths=tar, audio_locator_tag="<audio>"
+            )
+            lines = [record.data for record in JsonlRecords(manifest)]
+            read = 0
+            try:
+                for conversation in reader:
+                    read += 1
+                    yield conversation
+            except Exception as err:  # NeMo's tar reader cannot go on past an undecodable file
+                unread = [i for i, data in enumerate(lines) if i >= read and not (data.get("custom") or {}).get("_skipme")]
+                cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                if unread:
+                    yield UndecodableEntry(tar, f"conversation at {manifest}:{unread[0] + 1} ({cause})")
+                for i in unread[1:]:
+                    yield UnreadShardRest(tar, i + 1, cause)
+
+
+@dataclass(frozen=True)
 class _Defaults:
     """Per-input defaults applied while converting records."""
 
@@ -352,6 +412,33 @@ class _Defaults:
         if not isinstance(raw_turns, list):
             raise DataError(f"{record.where}: 'conversations' must be a list of turns")
         turns = [self._turn(record, raw, index, sample_id) for index, raw in enumerate(raw_turns)]
+        return self._supervised_conversation(sample_id, turns, supervise_last_only)
+
+    def nemo_conversation_to_conversation(self, conversation: Any, supervise_last_only: bool) -> Conversation:
+        """A conversation read by NeMo's reader (``NeMoMultimodalConversation``), supervised like the JSONL form."""
+        if isinstance(conversation, UndecodableEntry):
+            raise SampleSkipped("unreadable_audio", f"{conversation.shard}: cannot decode the audio of {conversation.entry}")
+        if isinstance(conversation, UnreadShardRest):
+            raise SampleSkipped(
+                "after_unreadable_audio",
+                f"{conversation.shard}: conversation at line {conversation.line} follows undecodable audio in its shard",
+            )
+        from nemo.collections.common.data.lhotse.text_adapters import AudioTurn
+
+        sample_id = str(conversation.id)
+        turns = []
+        for turn in conversation.turns:
+            role = str(turn.role).lower()
+            if role not in ROLES:
+                raise DataError(f"conversation '{sample_id}': unknown role '{turn.role}' (expected User, Assistant or System)")
+            if isinstance(turn, AudioTurn):
+                turns.append(Turn(role, audio=checked_audio(turn.cut, sample_id, self.sampling_rate)))
+            else:
+                turns.append(Turn(role, text=str(turn.value)))
+        return self._supervised_conversation(sample_id, turns, supervise_last_only)
+
+    def _supervised_conversation(self, sample_id: str, turns: list[Turn], supervise_last_only: bool) -> Conversation:
+        """Mark the supervised replies, drop what follows the last one, add the input's context and system prompt."""
         assistant = [i for i, turn in enumerate(turns) if turn.role == "assistant" and turn.text is not None]
         chosen = assistant[-1:] if supervise_last_only else assistant
         if not chosen:

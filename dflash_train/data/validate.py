@@ -13,6 +13,7 @@ from dflash_train.data.inputs import (
     INPUT_TYPES,
     SHAR,
     TAG_KEYS,
+    TARRED_CONVERSATIONS,
     TARRED_MANIFEST,
     TYPE_SOURCES,
     expand_shards,
@@ -30,6 +31,7 @@ _SOURCE_KEYS = {
     "manifest": "manifest_filepath (NeMo manifest)",
     TARRED_MANIFEST: "manifest_filepath + tarred_audio_filepaths (NeMo tarred audio)",
     CONVERSATIONS: "manifest_filepath (conversation JSONL)",
+    TARRED_CONVERSATIONS: "manifest_filepath + tarred_audio_filepaths (tarred conversations)",
 }
 
 
@@ -48,8 +50,8 @@ def _check_input(inp: InputConfig, key: str) -> None:
         + " (exactly one path key)",
     )
     _require(
-        inp.tarred_audio_filepaths is None or source == TARRED_MANIFEST,
-        f"{key}.tarred_audio_filepaths goes with manifest_filepath (NeMo tarred audio) of an ASR input type",
+        inp.tarred_audio_filepaths is None or source in (TARRED_MANIFEST, TARRED_CONVERSATIONS),
+        f"{key}.tarred_audio_filepaths goes with manifest_filepath (NeMo tarred audio or tarred conversations)",
     )
     _require(inp.weight > 0, f"{key}.weight={inp.weight} must be > 0")
     unknown = sorted(set(inp.tags or {}) - set(TAG_KEYS))
@@ -146,7 +148,7 @@ def _check_paths(inp: InputConfig, key: str) -> None:
     if inp.tarred_audio_filepaths is not None:
         fields.append(("tarred_audio_filepaths", inp.tarred_audio_filepaths))
     for name, value in fields:
-        for path in expand_shards(value) if input_source(inp) == TARRED_MANIFEST else [value]:
+        for path in expand_shards(value) if inp.tarred_audio_filepaths is not None else [value]:
             if not is_remote(path):
                 shard = "" if path == value else f" (shard {path})"
                 _check_local_file(path, f"{key}.{name}='{value}'{shard}")
