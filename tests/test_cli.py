@@ -152,3 +152,58 @@ def test_the_runbook_torchrun_command_line_trains_on_two_processes(tiny_salm_dir
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "export" / "model.safetensors").exists()
     assert "steps: 25;" in proc.stderr + proc.stdout
+
+
+OFFLINE_LABEL_RECIPE = """\
+# The runbook's offline-label recipe: DFlash2 trained on the target's own replies (written by dflash-labels)
+defaults:
+  - dflash
+  - override dflash: dflash2
+  - _self_
+
+model:
+  pretrained_name: {target}
+  audio_locator_tag: "<|audio|>"
+
+data:
+  train_ds:
+    input_cfg:
+      - type: lhotse_as_conversation
+        cuts_path: {labels}
+        audio_locator_tag: "<|audio|>"
+        weight: 1.0
+        tags:
+          context: "Transcribe the audio."
+    use_multimodal_sampling: true
+    batch_tokens: 1024
+    max_tokens: 160
+    bucket_estimate_samples: 20
+
+dflash:
+  label_source: ground_truth
+"""
+
+
+def test_the_runbook_offline_label_recipe_trains_two_steps(tiny_salm_dir, demo_data, tmp_path):
+    """The recipe block as a user saves it next to their runs, launched with the runbook's entry script."""
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "offline_labels.yaml").write_text(OFFLINE_LABEL_RECIPE.format(target=tiny_salm_dir, labels=demo_data[0]))
+    run_dir = tmp_path / "run"
+    proc = _run([sys.executable, str(SCRIPT), f"--config-dir={conf}", "--config-name=offline_labels", "trainer=cpu",
+                 "trainer.precision=32-true", "trainer.max_steps=2", "dflash.draft_num_hidden_layers=1",
+                 "data.validation_ds=null", f"exp_manager.explicit_log_dir={run_dir}",
+                 f"exp_manager.exp_dir={tmp_path / 'exp'}"], tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resolved = (run_dir / "resolved_config.yaml").read_text()
+    assert "variant: dflash2" in resolved and "label_source: ground_truth" in resolved
+    assert "steps: 2;" in proc.stderr + proc.stdout and (run_dir / "export" / "model.safetensors").exists()
+
+    wrong_tag = OFFLINE_LABEL_RECIPE.replace('        audio_locator_tag: "<|audio|>"', '        audio_locator_tag: "<audio>"')
+    (conf / "offline_labels.yaml").write_text(wrong_tag.format(target=tiny_salm_dir, labels=demo_data[0]))
+    proc = _run([sys.executable, str(SCRIPT), f"--config-dir={conf}", "--config-name=offline_labels", "trainer=cpu",
+                 f"exp_manager.explicit_log_dir={tmp_path / 'refused'}"], tmp_path)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+        "config error: data.train_ds.input_cfg[0].audio_locator_tag='<audio>' differs from "
+        "model.audio_locator_tag='<|audio|>' (the target's audio placeholder); make them equal"
+    ), proc.stderr[-2000:]
