@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -12,22 +13,29 @@ from dflash_train.data.conversation import DataError
 from dflash_train.data.examples import Example
 
 
-def load_audio(example: Example) -> list[torch.Tensor]:
-    """The example's audio segments as mono float32 tensors of exactly the expected sample counts."""
-    waves = []
-    for cut in example.audio:
-        try:
-            samples = cut.load_audio()
-        except Exception as err:  # a decoder failure after the header check: name the sample, stop
-            detail = f"{type(err).__name__}: {err}"
-            raise DataError(f"sample '{example.id}': cannot load audio {cut.id} ({detail})") from None
-        mono = samples.mean(axis=0) if samples.ndim == 2 else samples
-        if mono.shape[0] != cut.num_samples:
-            raise DataError(
-                f"sample '{example.id}': audio {cut.id} loaded {mono.shape[0]} samples, expected {cut.num_samples}"
-            )
-        waves.append(torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32)))
-    return waves
+AUDIO_THREADS = 8  # audio files of one batch decoded at once (decoders release the GIL)
+
+
+def _load_one(example_id: str, cut) -> torch.Tensor:
+    try:
+        samples = cut.load_audio()
+    except Exception as err:  # a decoder failure after the header check: name the sample, stop
+        detail = f"{type(err).__name__}: {err}"
+        raise DataError(f"sample '{example_id}': cannot load audio {cut.id} ({detail})") from None
+    mono = samples.mean(axis=0) if samples.ndim == 2 else samples
+    if mono.shape[0] != cut.num_samples:
+        raise DataError(f"sample '{example_id}': audio {cut.id} loaded {mono.shape[0]} samples, expected {cut.num_samples}")
+    return torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))
+
+
+def load_audio(examples: Sequence[Example]) -> list[torch.Tensor]:
+    """Every audio segment of ``examples``, in placeholder order, as mono float32 tensors of exactly the
+    expected sample counts; decoded by lhotse (``Cut.load_audio``) on up to :data:`AUDIO_THREADS` threads."""
+    jobs = [(ex.id, cut) for ex in examples for cut in ex.audio]
+    if len(jobs) <= 1:
+        return [_load_one(*job) for job in jobs]
+    with ThreadPoolExecutor(max_workers=min(AUDIO_THREADS, len(jobs))) as pool:
+        return list(pool.map(lambda job: _load_one(*job), jobs))
 
 
 def _stack_audio(waves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +55,7 @@ def collate_padded(examples: Sequence[Example], pad_id: int, dataset_name: str) 
     for row, ex in enumerate(examples):
         input_ids[row, : len(ex.input_ids)] = torch.from_numpy(ex.input_ids.astype(np.int64))
         loss_mask[row, : len(ex.loss_mask)] = torch.from_numpy(ex.loss_mask)
-    audios, audio_lens = _stack_audio([wave for ex in examples for wave in load_audio(ex)])
+    audios, audio_lens = _stack_audio(load_audio(examples))
     return SpeechBatch(
         input_ids=input_ids,
         loss_mask=loss_mask,
@@ -65,7 +73,7 @@ def collate_packed(examples: Sequence[Example], dataset_name: str) -> SpeechBatc
     ids = np.concatenate([ex.input_ids for ex in examples]).astype(np.int64)
     mask = np.concatenate([ex.loss_mask for ex in examples])
     docs = np.concatenate([np.full(len(ex.input_ids), i, dtype=np.int64) for i, ex in enumerate(examples)])
-    audios, audio_lens = _stack_audio([wave for ex in examples for wave in load_audio(ex)])
+    audios, audio_lens = _stack_audio(load_audio(examples))
     return SpeechBatch(
         input_ids=torch.from_numpy(ids)[None],
         loss_mask=torch.from_numpy(mask)[None],
