@@ -15,6 +15,7 @@ from omegaconf import MISSING
 from dflash_train.variants import DFlash2Config, DFlashConfig
 
 LABEL_SOURCES = ("target_argmax", "ground_truth")
+PERCEPTION_DTYPES = ("bfloat16", "float16", "float32")
 ATTENTION_BACKENDS = ("flex_attention", "sdpa")
 # Recipe precision names -> the Lightning precision plugin that implements them.
 # bf16-flash: BF16 autocast with FP32 master weights for the draft (flash/flex attention on GPU).

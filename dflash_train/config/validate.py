@@ -26,6 +26,7 @@ from dflash_train.config.schema import (
     ATTENTION_BACKENDS,
     LABEL_SOURCES,
     LIGHTNING_PRECISION,
+    PERCEPTION_DTYPES,
     PRECISION_ALIASES,
     STRATEGIES,
     RunConfig,
@@ -234,6 +235,25 @@ RULES: tuple[Rule, ...] = (
     Rule(
         lambda run: run.dflash.nonfinite_step_limit >= 1,
         lambda run: f"dflash.nonfinite_step_limit={run.dflash.nonfinite_step_limit} must be >= 1",
+    ),
+    Rule(
+        lambda run: run.dflash.serving_val_samples >= 0,
+        lambda run: f"dflash.serving_val_samples={run.dflash.serving_val_samples} must be >= 0 (0 turns it off)",
+    ),
+    Rule(
+        lambda run: run.dflash.serving_val_max_new_tokens >= 1,
+        lambda run: f"dflash.serving_val_max_new_tokens={run.dflash.serving_val_max_new_tokens} must be >= 1",
+    ),
+    Rule(
+        lambda run: run.dflash.serving_val_perception_dtype in PERCEPTION_DTYPES,
+        lambda run: f"dflash.serving_val_perception_dtype='{run.dflash.serving_val_perception_dtype}' is unknown; "
+        f"choose one of {list(PERCEPTION_DTYPES)}",
+    ),
+    Rule(
+        lambda run: not run.exp_manager.checkpoint_monitor.startswith("val/serving_")
+        or (run.dflash.serving_val_samples > 0 and run.data.validation_ds is not None),
+        lambda run: f"exp_manager.checkpoint_monitor={run.exp_manager.checkpoint_monitor} needs serving validation: "
+        "set dflash.serving_val_samples > 0 and a data.validation_ds",
     ),
     Rule(
         lambda run: run.dflash.label_source in LABEL_SOURCES,

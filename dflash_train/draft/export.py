@@ -86,8 +86,6 @@ def load_export(path: str | Path, attention_backend: str = "sdpa", overrides: di
     ``overrides`` replace ``dflash_config`` entries before the draft is built (a warm start
     with a different ``block_size`` keeps every weight: none depends on the block size).
     """
-    from transformers import Qwen3Config
-
     path = require_directory(path, f"a draft export ({CONFIG_FILE} + {WEIGHTS_FILE})")
     if not (path / CONFIG_FILE).exists() or not (path / WEIGHTS_FILE).exists():
         raise DraftExportError(f"'{path}' is not a draft export: it needs {CONFIG_FILE} and {WEIGHTS_FILE}")
@@ -98,11 +96,25 @@ def load_export(path: str | Path, attention_backend: str = "sdpa", overrides: di
     except ValueError as err:
         raise DraftExportError(f"'{path}': {err}") from None
     raw["dflash_config"] = {**raw.get("dflash_config", {}), **(overrides or {})}
+    return _export_form(raw, variant, load_safetensors(path / WEIGHTS_FILE, fix), str(path), attention_backend)
+
+
+def serving_draft(draft_config, state: dict[str, torch.Tensor], attention_backend: str = "sdpa") -> nn.Module:
+    """The draft exactly as an export of ``state`` would load (its serving config and weight names),
+    without writing files: what validation decodes with to measure serving's acceptance mid-training."""
+    config = export_config(draft_config)
+    variant = variant_for_architecture(config["architectures"][0])
+    return _export_form(config, variant, export_state_dict(state), "the training draft", attention_backend)
+
+
+def _export_form(raw: dict, variant, weights: dict[str, torch.Tensor], source: str, attention_backend: str) -> nn.Module:
+    from transformers import Qwen3Config
+
     config = Qwen3Config(**raw)
     config._attn_implementation = attention_backend
     draft_cls, _ = variant.load_classes()
     draft = draft_cls(config)
-    load_strictly(draft, load_safetensors(path / WEIGHTS_FILE, fix), source=str(path))
+    load_strictly(draft, weights, source=source)
     return draft
 
 

@@ -41,6 +41,10 @@ class DraftFamily(Protocol):
     def serve_command(self, export_dir: Path, serve_target: Optional[str], num_speculative_tokens: int) -> str:
         """The ``vllm serve`` line for the export (``serve_target``: the vLLM-ready target, if one was written)."""
 
+    def serving_copy(self, draft: nn.Module, target, spec: DraftSpec, state: dict) -> nn.Module:
+        """An unsharded copy of the draft holding ``state`` (its full state dict) in the form its export is
+        served and decoded in: what validation's reference decoder runs with."""
+
 
 class BlockDrafts:
     """DFlash / DFlash2: nemo_automodel's classes, a draft-only export served beside the target."""
@@ -73,6 +77,11 @@ class BlockDrafts:
         target = serve_target or "<vLLM-ready target: dflash-export-target SALM_CKPT OUT>"
         return serve_command(target, export_dir.resolve(), num_speculative_tokens)
 
+    def serving_copy(self, draft, target, spec, state):
+        from dflash_train.draft.export import serving_draft
+
+        return serving_draft(draft.config, state)
+
 
 class MTPHeads:
     """MTP: one repeated step on the target's final hidden state, exported as the target's own MTP heads."""
@@ -103,6 +112,13 @@ class MTPHeads:
         from dflash_train.target.vllm_export import mtp_serve_command
 
         return mtp_serve_command(export_dir.resolve(), num_speculative_tokens)  # the export is the target
+
+    def serving_copy(self, draft, target, spec, state):
+        from dflash_train.files import load_state_exactly
+
+        step = self.build_draft(target, spec, "sdpa")
+        load_state_exactly(step, state, "the training MTP step", "its full state dict")
+        return step
 
 
 FAMILIES: dict[str, DraftFamily] = {"block": BlockDrafts(), "mtp": MTPHeads()}

@@ -219,3 +219,13 @@ class MTPProposer:
     def extend(self, token_ids: Sequence[int], verified: StepOutput) -> None:
         self._hidden = verified.hidden
         self._next_embeds = self._embed(token_ids[1:])
+
+
+def proposer_for(draft: nn.Module, target: FrozenTarget, num_speculative_tokens: int) -> tuple[Proposer, list[int]]:
+    """The proposer decoding with ``draft`` (an MTP step, or a DFlash / DFlash2 draft in its export form)
+    and the target blocks its session must tap for it."""
+    from dflash_train.draft.mtp import MTPStep
+
+    if isinstance(draft, MTPStep):
+        return MTPProposer(draft, target, num_speculative_tokens), []
+    return DraftProposer(draft, target, num_speculative_tokens), list(draft.target_layer_ids)

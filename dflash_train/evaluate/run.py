@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 from dflash_train.config.schema import InputConfig
-from dflash_train.draft.mtp import MTPStep
 from dflash_train.errors import ConfigError
-from dflash_train.evaluate.decoder import Decoded, DraftProposer, MTPProposer, StopRule, speculative_decode
+from dflash_train.evaluate.decoder import Decoded, StopRule, proposer_for, speculative_decode
 from dflash_train.evaluate.loading import (
     SERVING_PERCEPTION_DTYPE,
     TargetContext,
@@ -209,10 +208,7 @@ def evaluate_request(settings: EvalSettings, loaded: Loaded, request: EvalReques
     reference, reference_text = greedy_reply(target, prompt_format, embeds, rule)
     outputs = {}
     for name, draft in loaded.drafts.items():
-        if isinstance(draft, MTPStep):
-            proposer, layer_ids = MTPProposer(draft, target, settings.num_speculative_tokens), ()
-        else:
-            proposer, layer_ids = DraftProposer(draft, target, settings.num_speculative_tokens), draft.target_layer_ids
+        proposer, layer_ids = proposer_for(draft, target, settings.num_speculative_tokens)
         decoded = speculative_decode(TargetSession(target, layer_ids), proposer, embeds, rule)
         outputs[name] = _generation(decoded, reply_text(prompt_format, decoded))
     return SampleResult(request.index, request.id, request.reference, _generation(reference, reference_text), outputs)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from dflash_train.data.batch import SpeechBatch
@@ -29,6 +32,31 @@ class AudioLLM(FrozenLLM):
         self.perception.to(dtype)
         self.perception_dtype = dtype
         return self
+
+    @contextmanager
+    def perception_as_served(self, dtype: torch.dtype) -> Iterator["AudioLLM"]:
+        """Within the block, encode audio as serving does (:meth:`run_perception_in` ``dtype``); afterwards the
+        perception holds its original tensors again, bit for bit.
+
+        Training runs the perception in the target's own precision; a measurement of serving's
+        acceptance during training (validation's serving MAL) must see serving's audio frames.
+        The perception's own tensors are put back (not cast back, which would round them).
+        """
+        if self.perception_dtype == dtype:
+            yield self
+            return
+        perception, saved_dtype = self.perception, self.perception_dtype
+        parameters = [(param, param.data) for param in perception.parameters()]
+        buffers = [(module, name, buffer) for module in perception.modules() for name, buffer in module._buffers.items()]
+        self.run_perception_in(dtype)
+        try:
+            yield self
+        finally:
+            for param, data in parameters:
+                param.data = data
+            for module, name, buffer in buffers:
+                module._buffers[name] = buffer
+            self.perception_dtype = saved_dtype
 
     @torch.no_grad()
     def encode_audio(self, audios: torch.Tensor, audio_lens: torch.Tensor) -> list[torch.Tensor]:

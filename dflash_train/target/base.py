@@ -6,7 +6,7 @@ LLM implements the same members and nothing else needs to change."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, ContextManager, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -65,6 +65,10 @@ class FrozenTarget(Protocol):
     def lm_head(self) -> nn.Module: ...
 
     def splice_batch(self, batch: SpeechBatch, mask_token_id: int) -> SplicedBatch: ...
+
+    def perception_as_served(self, dtype: torch.dtype) -> ContextManager[Any]:
+        """A block in which audio is encoded with the perception in serving's ``dtype`` (the trained-with
+        perception left untouched); a target without audio has nothing to change."""
 
     def forward_taps(
         self,

@@ -9,6 +9,9 @@ measure a target of realistic width from a stock PyTorch image.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -39,6 +42,11 @@ class CausalLMTarget(FrozenLLM):
     @property
     def causal_lm(self) -> nn.Module:
         return self.llm
+
+    @contextmanager
+    def perception_as_served(self, dtype: torch.dtype) -> Iterator["CausalLMTarget"]:
+        """No perception: text is embedded the same in training and serving."""
+        yield self
 
     @torch.no_grad()
     def splice_batch(self, batch: SpeechBatch, mask_token_id: int) -> SplicedBatch:

@@ -24,6 +24,7 @@ from dflash_train.data.batch import SpeechBatch
 from dflash_train.data.packing import document_layout
 from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE
 from dflash_train.draft.build import DraftSpec
+from dflash_train.draft.export import full_state_dict
 from dflash_train.draft.family import family_of
 from dflash_train.errors import ConfigError, NonFiniteTrainingError
 from dflash_train.target.base import FrozenTarget
@@ -35,6 +36,7 @@ from dflash_train.training.metrics import (
     step_sums,
     world_size,
 )
+from dflash_train.training.serving_validation import ServingValidation
 from dflash_train.training.target_labels import target_argmax_labels
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class ModuleSettings:
     nonfinite_step_limit: int = 3  # non-finite-gradient steps in a row that stop the run
     target_fingerprint: Optional[str] = None  # SHA-256 of the target's weights file (None: built, not loaded)
     stable_shapes: Optional[bool] = None  # pad lengths and anchor counts to multiples (None: on for flex)
+    serving_validation: Optional[ServingValidation] = None  # decode like serving at every validation (None: off)
 
     @property
     def pads_shapes(self) -> bool:
@@ -470,6 +473,22 @@ class DFlashDraftModule(L.LightningModule):
             }
         )
         self.log_dict({"val/accept_len": overall.accept_len, "val_acc": overall.accuracy}, prog_bar=True)
+        if self.settings.serving_validation is not None and not self.trainer.sanity_checking:
+            self._log_serving_validation(self.settings.serving_validation)
+
+    def _log_serving_validation(self, serving: ServingValidation) -> None:
+        """Decode this rank's share of the serving-validation samples with an unsharded export-form copy of the
+        draft and log the pooled counters (docs/training.md, "Serving acceptance during validation")."""
+        started = time.perf_counter()
+        state = full_state_dict(self.draft)  # a collective under FSDP2: every rank calls it
+        embed = self.target.embed_tokens.weight
+        copy = family_of(self.spec.variant).serving_copy(self.draft, self.target, self.spec, state)
+        copy = copy.to(device=embed.device, dtype=embed.dtype).eval()
+        counts = serving.measure(self.target, copy, self.global_rank, self.trainer.world_size)
+        totals = all_reduce_sum(counts.to(self.device)).cpu()
+        values = serving.metrics(totals, time.perf_counter() - started)
+        self.log("val/serving_mal", values.pop("val/serving_mal"), prog_bar=True)
+        self.log_dict(values)
 
     # ------------------------------------------------------------------ optimizer
     def configure_optimizers(self) -> Any:

@@ -29,6 +29,7 @@ from dflash_train.target import load_target_for_run
 from dflash_train.training.module import DFlashDraftModule, ModuleSettings, OptimSettings
 from dflash_train.training.preemption import PreemptionCheckpoint
 from dflash_train.training.provenance import ProvenanceRecord, target_weights_sha256
+from dflash_train.training.serving_validation import ServingValidation, ServingValidationSettings
 from dflash_train.variants import variant_named
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class TrainSummary:
     resumed_from: Optional[Path]
     skipped: dict[str, float]
     stopped_by: Optional[str] = None  # the signal that preempted the run (it saved a checkpoint)
+    val_serving_mal: Optional[float] = None  # serving's pooled MAL at the last validation (serving validation on)
 
     def report(self, run: RunConfig, serve_target: Optional[str] = None) -> list[str]:
         """Readable end-of-run summary, with the exact serve command when an export exists."""
@@ -57,7 +59,7 @@ class TrainSummary:
         lines = [
             f"run directory: {self.run_dir}" + (f" (resumed from {self.resumed_from})" if self.resumed_from else ""),
             f"steps: {self.steps}; final train loss {fmt(self.train_loss)}; val loss {fmt(self.val_loss)}; "
-            f"val accept_len {fmt(self.val_accept_len)}",
+            f"val accept_len {fmt(self.val_accept_len)} (teacher-forced), serving MAL {fmt(self.val_serving_mal)}",
             "skipped samples: " + (", ".join(f"{k} {int(v)}" for k, v in self.skipped.items() if v) or "none"),
         ]
         if self.stopped_by is not None:
@@ -162,6 +164,8 @@ class ExportOnTrainEnd(Callback):
                 if info is not None and "val/accept_len" in trainer.callback_metrics:
                     # what training reported, beside what serving the export delivers (dflash-eval, vLLM)
                     info["val_accept_len"] = float(trainer.callback_metrics["val/accept_len"])
+                if info is not None and "val/serving_mal" in trainer.callback_metrics:
+                    info["val_serving_mal"] = float(trainer.callback_metrics["val/serving_mal"])
                 family = family_of(pl_module.spec.variant)
                 count = family.write_export(staging, self.out_dir, pl_module.draft, state, self.run, info)
             log.info("export: wrote %s (%d tensors), reloaded strictly and matched", self.out_dir, count)
@@ -254,7 +258,9 @@ def _callbacks(run: RunConfig, run_dir: Path, val_every: Optional[int]) -> list[
         callbacks.append(
             ModelCheckpoint(
                 dirpath=ckpt_dir,
-                filename="best-{step}-{val_acc:.4f}",
+                # the monitored value in the name ("/" would make a directory of it)
+                filename=f"best-step={{step}}-{em.checkpoint_monitor.replace('/', '_')}={{{em.checkpoint_monitor}:.4f}}",
+                auto_insert_metric_name=False,
                 monitor=em.checkpoint_monitor,
                 mode=em.checkpoint_mode,
                 save_top_k=em.save_top_k,
@@ -370,8 +376,37 @@ def setup_module(run: RunConfig, target, draft, spec: DraftSpec, backend: str, d
         fsdp_param_dtype=half,
         nonfinite_step_limit=run.dflash.nonfinite_step_limit,
         target_fingerprint=target_weights_sha256(run),
+        serving_validation=setup_serving_validation(run, target, spec),
     )
     return DFlashDraftModule(target, draft, spec, settings)
+
+
+def setup_serving_validation(run: RunConfig, target, spec: DraftSpec) -> Optional[ServingValidation]:
+    """The serving-acceptance measurement of every validation (``dflash.serving_val_samples`` > 0): the first
+    records of the first validation set, decoded at the K the export is served with."""
+    from dflash_train.data.estimator import AudioTokenEstimator
+    from dflash_train.data.prompt import build_prompt_format
+
+    samples = run.dflash.serving_val_samples
+    if samples == 0:
+        return None
+    if run.data.validation_ds is None:
+        log.warning("dflash.serving_val_samples=%d but no data.validation_ds: serving validation is off", samples)
+        return None
+    k = spec.variant.speculative_tokens(spec.cfg)
+    settings = ServingValidationSettings(
+        samples=samples,
+        max_new_tokens=run.dflash.serving_val_max_new_tokens,
+        num_speculative_tokens=k,
+        perception_dtype=getattr(torch, run.dflash.serving_val_perception_dtype),
+    )
+    inp = run.data.validation_ds.input_cfg[0]
+    log.info("serving validation: the first %d records of %s, K=%d, up to %d new tokens, perception in %s",
+             samples, inp.cuts_path or inp.manifest_filepath or inp.shar_path, k, settings.max_new_tokens,
+             run.dflash.serving_val_perception_dtype)
+    prompt_format = build_prompt_format(run.data.prompt_format, target.tokenizer, run.model.audio_locator_tag)
+    estimator = AudioTokenEstimator.from_target(target)
+    return ServingValidation(inp, prompt_format, estimator, run.data.system_prompt, settings)
 
 
 @dataclass
@@ -426,6 +461,7 @@ def summarize(trainer: L.Trainer, paths: RunPaths, callbacks: RunCallbacks) -> T
         resumed_from=paths.resume_from,
         skipped=skipped,
         stopped_by=callbacks.preemption.stopped_by,
+        val_serving_mal=metrics.get("val/serving_mal"),
     )
 
 

@@ -44,6 +44,9 @@ class DFlashConfig:
     attention_backend: Optional[str] = None
     gradient_checkpointing: bool = False
     nonfinite_step_limit: int = 3
+    serving_val_samples: int = 0  # validation records decoded like serving at every validation (0: off)
+    serving_val_max_new_tokens: int = 64  # greedy reply length cap of that decoding
+    serving_val_perception_dtype: str = "bfloat16"  # serving's perception precision (vLLM runs it in bfloat16)
     draft_model_config: dict = field(default_factory=dict)
 
 
