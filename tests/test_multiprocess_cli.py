@@ -135,6 +135,30 @@ def test_a_broken_record_is_counted_once_over_both_ranks(straight):
     assert len(summaries) == 2 and all(line.endswith("skipped samples: missing_audio 1") for line in summaries)
 
 
+def test_both_ranks_decode_their_share_of_serving_validation_and_report_the_pooled_counters(straight, tiny_salm_dir,
+                                                                                            cuts):
+    """val/serving_mal of a 2-rank run is exactly dflash-eval's pooled MAL on the export, over the same
+    validation records (each rank decoded half of them): one rank's counters alone would not match."""
+    import csv
+
+    from dflash_train.config.schema import InputConfig
+    from dflash_train.evaluate.loading import TargetSource
+    from dflash_train.evaluate.run import evaluate, prepare
+
+    run_dir, _, output = straight
+    _, val, _ = cuts
+    settings, loaded = prepare(TargetSource(checkpoint=str(tiny_salm_dir)), {"draft": str(run_dir / "export")},
+                               InputConfig(type="lhotse_as_conversation", cuts_path=str(val)), max_new_tokens=64,
+                               dtype="float32", limit=16)
+    counters = evaluate(settings, loaded).counters("draft")
+    with open(next(run_dir.rglob("metrics.csv"))) as f:
+        rows = [row for row in csv.DictReader(f) if row.get("val/serving_rounds")]
+    assert [int(float(row["step"])) for row in rows] == [3, 7]  # Lightning's 0-based step of validations 4 and 8
+    assert int(float(rows[-1]["val/serving_rounds"])) == counters.rounds > 0
+    summaries = [line for line in output.splitlines() if "(teacher-forced), serving MAL" in line]
+    assert len(summaries) == 2 and all(line.endswith(f"serving MAL {counters.mal:.4f}") for line in summaries)
+
+
 def test_all_ranks_share_one_hydra_run_directory(straight):
     _, exp_dir, _ = straight
     launches = list((exp_dir / "demo" / "hydra").iterdir())
