@@ -250,6 +250,19 @@ RULES: tuple[Rule, ...] = (
         f"choose one of {list(PERCEPTION_DTYPES)}",
     ),
     Rule(
+        lambda run: 0.0 <= run.dflash.serving_anchor_fraction <= 1.0,
+        lambda run: f"dflash.serving_anchor_fraction={run.dflash.serving_anchor_fraction} must be in [0, 1] (0 turns it off)",
+    ),
+    Rule(
+        lambda run: run.dflash.serving_anchor_every >= 1,
+        lambda run: f"dflash.serving_anchor_every={run.dflash.serving_anchor_every} must be >= 1",
+    ),
+    Rule(
+        lambda run: run.dflash.serving_anchor_fraction == 0 or not run.data.train_ds.packing,
+        lambda run: "dflash.serving_anchor_fraction > 0 needs padded batches (one sample per row): set "
+        "data.train_ds.packing=false or serving_anchor_fraction=0",
+    ),
+    Rule(
         lambda run: not run.exp_manager.checkpoint_monitor.startswith("val/serving_")
         or (run.dflash.serving_val_samples > 0 and run.data.validation_ds is not None),
         lambda run: f"exp_manager.checkpoint_monitor={run.exp_manager.checkpoint_monitor} needs serving validation: "

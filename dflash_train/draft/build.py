@@ -101,15 +101,78 @@ def with_stable_anchor_count(trainer_cls: type, multiple: int) -> type:
     return StableAnchorCount
 
 
+def with_preferred_anchors(trainer_cls: type) -> type:
+    """``trainer_cls`` that can draw part of each row's anchors from given positions.
+
+    Before a forward, set ``core.preferred_anchors`` to one list of sequence positions per row
+    and ``core.preferred_fraction`` to f: after the library's uniform draw, up to ``round(f * n)``
+    of a row's ``n`` kept anchors are replaced by its preferred positions that are valid anchors
+    (supervised, a full block left in the sequence), in the given order. The number of blocks per
+    row, the keep mask and every other rule stay the library's; with no preference set the draw is
+    exactly the library's.
+    """
+
+    class PreferredAnchors(trainer_cls):
+        preferred_anchors: list[list[int]] | None = None
+        preferred_fraction: float = 0.0
+
+        def _sample_anchor_positions(self, seq_len, loss_mask, device, doc_remaining=None):
+            anchors, keep = super()._sample_anchor_positions(seq_len, loss_mask, device, doc_remaining=doc_remaining)
+            if not self.preferred_anchors or self.preferred_fraction <= 0:
+                return anchors, keep
+            return replace_with_preferred(
+                anchors, keep, self.preferred_anchors, self.preferred_fraction, loss_mask, self.block_size,
+                seq_len, doc_remaining,
+            )
+
+    PreferredAnchors.__name__ = PreferredAnchors.__qualname__ = f"PreferredAnchors{trainer_cls.__name__}"
+    return PreferredAnchors
+
+
+def replace_with_preferred(
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    preferred: list[list[int]],
+    fraction: float,
+    loss_mask: torch.Tensor,
+    block_size: int,
+    seq_len: int,
+    doc_remaining: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's kept anchors with up to ``round(fraction * kept)`` of them replaced by its valid preferred
+    positions (the rule of :func:`with_preferred_anchors`); sorted, same count, same keep mask."""
+    supervised = (loss_mask > 0.5).cpu()  # one transfer each, then host lists
+    remaining = doc_remaining.cpu() if doc_remaining is not None else None
+    rows = anchors.cpu().tolist()
+    kept_counts = keep.sum(dim=1).cpu().tolist()
+    max_anchor = seq_len - block_size
+    for row, wanted in enumerate(preferred):
+        kept = int(kept_counts[row])
+        valid = []
+        for position in wanted:
+            ok = 0 <= position <= max_anchor and bool(supervised[row, position])
+            if ok and remaining is not None:
+                ok = int(remaining[row, position]) >= block_size - 1
+            if ok and position not in valid:
+                valid.append(position)
+        chosen = valid[: round(fraction * kept)]
+        if chosen:
+            rest = [a for a in rows[row][:kept] if a not in chosen]
+            rows[row][:kept] = sorted(chosen + rest[: kept - len(chosen)])
+    return torch.tensor(rows, dtype=anchors.dtype, device=anchors.device), keep
+
+
 def build_trainer_core(
     draft: nn.Module, target, spec: DraftSpec, attention_backend: str, anchor_multiple: int | None = None
 ) -> nn.Module:
     """nemo_automodel's trainer core (anchors, block mask, decayed CE, metrics) around ``draft``.
 
-    ``anchor_multiple`` rounds the anchor count per batch up (:func:`with_stable_anchor_count`);
-    flex runs use :func:`anchor_count_multiple`.
+    Anchors may be steered towards given positions (:func:`with_preferred_anchors`, serving-aware
+    training); ``anchor_multiple`` rounds the anchor count per batch up
+    (:func:`with_stable_anchor_count`); flex runs use :func:`anchor_count_multiple`.
     """
     _, trainer_cls = spec.variant.load_classes()
+    trainer_cls = with_preferred_anchors(trainer_cls)
     if anchor_multiple:
         trainer_cls = with_stable_anchor_count(trainer_cls, anchor_multiple)
     return trainer_cls(

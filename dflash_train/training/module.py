@@ -36,6 +36,8 @@ from dflash_train.training.metrics import (
     step_sums,
     world_size,
 )
+from dflash_train.training.serving_anchors import CHECKPOINT_KEY as SERVING_ANCHORS_KEY
+from dflash_train.training.serving_anchors import ServingAnchorMiner
 from dflash_train.training.serving_validation import ServingValidation
 from dflash_train.training.target_labels import target_argmax_labels
 
@@ -73,6 +75,7 @@ class ModuleSettings:
     target_fingerprint: Optional[str] = None  # SHA-256 of the target's weights file (None: built, not loaded)
     stable_shapes: Optional[bool] = None  # pad lengths and anchor counts to multiples (None: on for flex)
     serving_validation: Optional[ServingValidation] = None  # decode like serving at every validation (None: off)
+    serving_anchors: Optional[ServingAnchorMiner] = None  # draw anchors at serving's round starts (None: off)
 
     @property
     def pads_shapes(self) -> bool:
@@ -162,11 +165,15 @@ class DFlashDraftModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint[IDENTITY_KEY] = self.run_identity()
+        if self.settings.serving_anchors is not None:  # every rank's memory (a collective: all ranks save)
+            checkpoint[SERVING_ANCHORS_KEY] = self.settings.serving_anchors.state()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse a checkpoint of another target, variant or trainable set, naming what differs; then say
         what is restored (step, learning rates, scheduler) and warn when the schedule ends before max_steps."""
         self._check_identity(checkpoint)
+        if self.settings.serving_anchors is not None:
+            self.settings.serving_anchors.restore(checkpoint.get(SERVING_ANCHORS_KEY, {}))
         trainer = getattr(self, "_trainer", None)
         max_steps = trainer.max_steps if trainer is not None else None
         message, warning = describe_restored_state(checkpoint, max_steps)
@@ -253,21 +260,30 @@ class DFlashDraftModule(L.LightningModule):
         left in its document)."""
         return self.spec.variant.has_valid_anchor(self.spec.cfg, inputs.loss_mask, inputs.doc_remaining)
 
-    def run_core(self, inputs: StepInputs, rng_key: int):
-        """One trainer-core forward; anchor sampling is seeded by ``rng_key`` so resumes are exact."""
+    def run_core(self, inputs: StepInputs, rng_key: int, preferred: Optional[list[list[int]]] = None):
+        """One trainer-core forward; anchor sampling is seeded by ``rng_key`` so resumes are exact.
+
+        ``preferred``: per row, positions to draw part of its anchors from (serving-aware anchors).
+        """
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(rng_key)
             extra = {} if inputs.embeds is None else {"embeds": inputs.embeds}
-            return self.core(
-                inputs.input_ids,
-                inputs.features,
-                inputs.loss_mask.float(),
-                position_ids=inputs.position_ids,
-                seq_lens=inputs.seq_lens,
-                doc_remaining=inputs.doc_remaining,
-                **extra,
-            )
+            if preferred is not None:
+                self.core.preferred_anchors = preferred
+                self.core.preferred_fraction = self.settings.serving_anchors.settings.fraction
+            try:
+                return self.core(
+                    inputs.input_ids,
+                    inputs.features,
+                    inputs.loss_mask.float(),
+                    position_ids=inputs.position_ids,
+                    seq_lens=inputs.seq_lens,
+                    doc_remaining=inputs.doc_remaining,
+                    **extra,
+                )
+            finally:
+                self.core.preferred_anchors = None
 
     def _rng_key(self, step: int, batch_idx: int, stream: int) -> int:
         return (self.settings.seed * 1_000_003 + step * 7_919 + batch_idx * 131 + stream * 17 + self.global_rank) % (
@@ -294,7 +310,7 @@ class DFlashDraftModule(L.LightningModule):
             embeds=None if like.embeds is None else like.embeds.new_zeros(1, length, like.embeds.shape[-1]),
         )
 
-    def _forward_core(self, inputs: StepInputs, rng_key: int):
+    def _forward_core(self, inputs: StepInputs, rng_key: int, preferred: Optional[list[list[int]]] = None):
         """The core on ``inputs``, or on :meth:`placeholder_inputs` with zero weight when they hold no anchor.
 
         Returns ``(metrics, sums, loss_sum)``: ``sums`` are the batch's :class:`BlockStats`
@@ -303,7 +319,7 @@ class DFlashDraftModule(L.LightningModule):
         divided by the window's Σ w, is the gradient of the exact window loss.
         """
         if self.has_valid_anchor(inputs):
-            metrics = self.run_core(inputs, rng_key)
+            metrics = self.run_core(inputs, rng_key, preferred)
             return metrics, step_sums(metrics), metrics.loss * metrics.loss_weight
         metrics = self.run_core(self.placeholder_inputs(inputs), rng_key)
         return None, empty_step_sums(self.device), metrics.loss * 0.0
@@ -323,7 +339,8 @@ class DFlashDraftModule(L.LightningModule):
         accumulate = self.settings.optim.accumulate_grad_batches
         micro = batch_idx % accumulate  # not batch_idx itself: it restarts when a run resumes
         inputs = self.prepare(batch)
-        metrics, sums, loss_sum = self._forward_core(inputs, self._rng_key(self.global_step, micro, 0))
+        preferred = self._serving_anchors(batch, inputs, micro)
+        metrics, sums, loss_sum = self._forward_core(inputs, self._rng_key(self.global_step, micro, 0), preferred)
         if metrics is None:
             self.skip_counts[SKIP_NO_ANCHOR] += 1
         # DP frameworks average gradients over ranks; the world size undoes that average.
@@ -333,6 +350,18 @@ class DFlashDraftModule(L.LightningModule):
         if micro == accumulate - 1:
             stepped = self._finish_window(optimizer)
         self._log_train(sums, metrics, inputs, started, stepped)
+
+    def _serving_anchors(self, batch: SpeechBatch, inputs: StepInputs, micro: int) -> Optional[list[list[int]]]:
+        """Serving-aware anchors (training/serving_anchors.py): mine this batch on due steps, then the
+        preferred anchor positions of its rows."""
+        miner = self.settings.serving_anchors
+        if miner is None:
+            return None
+        if miner.due(self.global_step, micro):
+            copy = self.serving_copy()  # a collective: every rank mines on the same steps
+            spliced = self.target.splice_batch(batch, self.spec.mask_token_id)
+            miner.mine(self.target, copy, spliced.inputs_embeds, spliced.loss_mask, batch.sample_ids)
+        return miner.preferred(inputs.loss_mask, batch.sample_ids)
 
     def on_train_epoch_start(self) -> None:
         self._window_weight = 0.0
@@ -476,15 +505,19 @@ class DFlashDraftModule(L.LightningModule):
         if self.settings.serving_validation is not None and not self.trainer.sanity_checking:
             self._log_serving_validation(self.settings.serving_validation)
 
+    def serving_copy(self) -> torch.nn.Module:
+        """The draft as serving runs it: unsharded, in its export form, in the target's dtype and on its device.
+        Gathering FSDP2 shards is a collective: every rank must call this at the same point."""
+        state = full_state_dict(self.draft)
+        embed = self.target.embed_tokens.weight
+        copy = family_of(self.spec.variant).serving_copy(self.draft, self.target, self.spec, state)
+        return copy.to(device=embed.device, dtype=embed.dtype).eval()
+
     def _log_serving_validation(self, serving: ServingValidation) -> None:
         """Decode this rank's share of the serving-validation samples with an unsharded export-form copy of the
         draft and log the pooled counters (docs/training.md, "Serving acceptance during validation")."""
         started = time.perf_counter()
-        state = full_state_dict(self.draft)  # a collective under FSDP2: every rank calls it
-        embed = self.target.embed_tokens.weight
-        copy = family_of(self.spec.variant).serving_copy(self.draft, self.target, self.spec, state)
-        copy = copy.to(device=embed.device, dtype=embed.dtype).eval()
-        counts = serving.measure(self.target, copy, self.global_rank, self.trainer.world_size)
+        counts = serving.measure(self.target, self.serving_copy(), self.global_rank, self.trainer.world_size)
         totals = all_reduce_sum(counts.to(self.device)).cpu()
         values = serving.metrics(totals, time.perf_counter() - started)
         self.log("val/serving_mal", values.pop("val/serving_mal"), prog_bar=True)

@@ -29,6 +29,7 @@ from dflash_train.target import load_target_for_run
 from dflash_train.training.module import DFlashDraftModule, ModuleSettings, OptimSettings
 from dflash_train.training.preemption import PreemptionCheckpoint
 from dflash_train.training.provenance import ProvenanceRecord, target_weights_sha256
+from dflash_train.training.serving_anchors import ServingAnchorMiner, ServingAnchorSettings
 from dflash_train.training.serving_validation import ServingValidation, ServingValidationSettings
 from dflash_train.variants import variant_named
 
@@ -377,8 +378,29 @@ def setup_module(run: RunConfig, target, draft, spec: DraftSpec, backend: str, d
         nonfinite_step_limit=run.dflash.nonfinite_step_limit,
         target_fingerprint=target_weights_sha256(run),
         serving_validation=setup_serving_validation(run, target, spec),
+        serving_anchors=setup_serving_anchors(run, target, spec),
     )
     return DFlashDraftModule(target, draft, spec, settings)
+
+
+def setup_serving_anchors(run: RunConfig, target, spec: DraftSpec) -> Optional[ServingAnchorMiner]:
+    """Serving-aware anchors (``dflash.serving_anchor_fraction`` > 0): mined round starts, at the served K."""
+    from dflash_train.data.prompt import build_prompt_format
+    from dflash_train.evaluate.loading import default_stop_token_ids
+
+    fraction = run.dflash.serving_anchor_fraction
+    if fraction == 0:
+        return None
+    prompt_format = build_prompt_format(run.data.prompt_format, target.tokenizer, run.model.audio_locator_tag)
+    settings = ServingAnchorSettings(
+        fraction=fraction,
+        every=run.dflash.serving_anchor_every,
+        num_speculative_tokens=spec.variant.speculative_tokens(spec.cfg),
+        stop_token_ids=frozenset(default_stop_token_ids(prompt_format)),
+    )
+    log.info("serving-aware anchors: up to %.0f%% of each row's anchors at its serving round starts, mined every "
+             "%d steps", 100 * fraction, settings.every)
+    return ServingAnchorMiner(settings)
 
 
 def setup_serving_validation(run: RunConfig, target, spec: DraftSpec) -> Optional[ServingValidation]:

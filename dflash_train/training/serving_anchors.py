@@ -1,0 +1,106 @@
+"""Serving-aware anchors: train more often where serving's rounds actually start.
+
+Teacher-forced training draws its anchors uniformly over a reply; serving starts its rounds
+only at the bonus tokens, and most of those right after the target corrected the draft
+(docs/benchmarks.md, "Where serving's rounds start"). With ``dflash.serving_anchor_fraction``
+f > 0, every ``dflash.serving_anchor_every`` steps each rank decodes the rows of its current
+batch with the reference speculative decoder (an unsharded copy of the draft, the prompt as the
+row holds it, up to the row's reply length) and remembers, per sample id, the reply offsets at
+which serving's rounds started. Whenever a remembered sample is trained on again, up to f of
+its row's anchors are drawn from those round starts (the rest uniformly, as before; the number
+of blocks does not change).
+
+The memory is part of the checkpoint (gathered from every rank), mining happens on the same
+steps on every rank and consumes no random numbers, so resumes stay exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflash_train.evaluate.anchors import round_starts
+from dflash_train.evaluate.decoder import StopRule, proposer_for, speculative_decode
+from dflash_train.evaluate.session import TargetSession
+from dflash_train.target.base import FrozenTarget
+
+CHECKPOINT_KEY = "dflash_train_serving_anchor_starts"
+
+
+@dataclass(frozen=True)
+class ServingAnchorSettings:
+    """``fraction`` of a row's anchors from its mined round starts, mined every ``every`` steps at K."""
+
+    fraction: float
+    every: int
+    num_speculative_tokens: int
+    stop_token_ids: frozenset[int]
+
+
+def reply_span(loss_mask_row: torch.Tensor) -> Optional[tuple[int, int]]:
+    """``(start, length)`` of the row's last supervised run (the reply serving would generate), or ``None``."""
+    positions = torch.nonzero(loss_mask_row, as_tuple=False).flatten().tolist()
+    if not positions:
+        return None
+    end = start = positions[-1]
+    while start - 1 in positions:
+        start -= 1
+    return start, end - start + 1
+
+
+class ServingAnchorMiner:
+    """Mined round starts per sample id and the preferred anchors of a batch."""
+
+    def __init__(self, settings: ServingAnchorSettings):
+        self.settings = settings
+        self.starts: dict[str, list[int]] = {}  # sample id -> reply offsets of serving's round starts
+
+    def due(self, global_step: int, micro_batch: int) -> bool:
+        """Whether this step mines (the same answer on every rank)."""
+        return micro_batch == 0 and global_step % self.settings.every == 0
+
+    @torch.no_grad()
+    def mine(
+        self, target: FrozenTarget, draft: nn.Module, inputs_embeds: torch.Tensor, loss_mask: torch.Tensor,
+        sample_ids: Sequence[str],
+    ) -> None:
+        """Decode each row's prompt like serving (at most its reply's length) and remember its round starts."""
+        k = self.settings.num_speculative_tokens
+        dtype = target.embed_tokens.weight.dtype
+        for row, sample_id in enumerate(sample_ids):
+            span = reply_span(loss_mask[row])
+            if span is None or span[0] == 0:
+                continue
+            start, length = span
+            proposer, layer_ids = proposer_for(draft, target, k)
+            rule = StopRule(length, self.settings.stop_token_ids)
+            prompt = inputs_embeds[row : row + 1, :start].to(dtype)
+            decoded = speculative_decode(TargetSession(target, layer_ids), proposer, prompt, rule)
+            self.starts[sample_id] = [offset for offset, _ in round_starts(decoded.accepted_per_round, k)]
+
+    def preferred(self, loss_mask: torch.Tensor, sample_ids: Sequence[str]) -> list[list[int]]:
+        """Per row, the sequence positions of its sample's remembered round starts (empty when none)."""
+        rows = []
+        for row, sample_id in enumerate(sample_ids):
+            offsets = self.starts.get(sample_id)
+            span = reply_span(loss_mask[row]) if offsets else None
+            rows.append([span[0] + offset for offset in offsets] if span else [])
+        return rows
+
+    def state(self) -> dict[str, list[int]]:
+        """Every rank's memory merged (a collective: call it on every rank)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            parts: list = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, self.starts)
+            merged: dict[str, list[int]] = {}
+            for part in parts:
+                merged.update(part)
+            return dict(sorted(merged.items()))
+        return dict(sorted(self.starts.items()))
+
+    def restore(self, starts: dict[str, list[int]]) -> None:
+        self.starts = {key: list(value) for key, value in starts.items()}

@@ -1,0 +1,98 @@
+"""Serving-aware anchors: round starts mined with the reference decoder steer part of the anchors.
+
+Checked: the replacement rule on hand-made anchors; then real runs of the demo recipe (real data
+module, the DFlash trainer core) where mining fills the memory, the option changes training, and
+a run stopped and resumed reaches the same weights as one straight run (the memory travels in
+the checkpoint).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import compose, same_tensors
+from safetensors.torch import load_file
+
+from dflash_train.config import validate_config
+from dflash_train.draft.build import replace_with_preferred
+from dflash_train.errors import ConfigError
+from dflash_train.training.serving_anchors import CHECKPOINT_KEY, reply_span
+from dflash_train.training.recipe import train
+
+
+def test_preferred_positions_replace_part_of_the_uniform_draw():
+    loss_mask = torch.zeros(2, 20)
+    loss_mask[0, 5:15] = 1
+    loss_mask[0, 17] = 1
+    loss_mask[1, 2:10] = 1
+    anchors = torch.tensor([[5, 6, 8, 11, 12, 0], [2, 3, 4, 0, 0, 0]])
+    keep = torch.tensor([[True] * 5 + [False], [True] * 3 + [False] * 3])
+    preferred = [[9, 2, 13, 9, 15, 7, 17], [7, 3]]  # row 0: 2 and 15 unsupervised, 17 has no full block (B=4, S=20)
+    out, out_keep = replace_with_preferred(anchors, keep, preferred, 0.6, loss_mask, 4, 20, None)
+    assert torch.equal(out_keep, keep)
+    assert out[0].tolist() == [5, 6, 7, 9, 13, 0]  # round(0.6 * 5) = 3 replaced: 9, 13, 7 (in the given order)
+    assert out[1].tolist() == [2, 3, 7, 0, 0, 0]  # round(0.6 * 3) = 2: 7 and 3 (already drawn, kept once)
+    remaining = torch.full((2, 20), 100)
+    remaining[0, 13] = 1  # 13 would cross its document's end
+    out, _ = replace_with_preferred(anchors, keep, preferred, 0.6, loss_mask, 4, 20, remaining)
+    assert out[0].tolist() == [5, 6, 7, 8, 9, 0]  # 9 and 7 only
+    assert torch.equal(replace_with_preferred(anchors, keep, [[], []], 0.6, loss_mask, 4, 20, None)[0], anchors)
+
+
+def test_the_reply_span_is_the_last_supervised_run():
+    assert reply_span(torch.tensor([0, 1, 1, 0, 0, 1, 1, 1, 0]).bool()) == (5, 3)
+    assert reply_span(torch.zeros(4, dtype=torch.bool)) is None
+
+
+def _recipe(tiny_salm_dir, demo_data, run_dir, steps, *extra):
+    train_cuts, val_cuts = demo_data
+    return validate_config(compose("demo", [
+        f"model.pretrained_name={tiny_salm_dir}",
+        f"data.train_ds.input_cfg.0.cuts_path={train_cuts}",
+        f"data.validation_ds.input_cfg.0.cuts_path={val_cuts}",
+        "data.train_ds.bucket_estimate_samples=20",
+        "data.train_ds.batch_tokens=400",
+        "trainer.precision=32-true",
+        f"trainer.max_steps={steps}",
+        "trainer.val_check_interval=4",
+        "trainer.limit_val_batches=1",
+        "+trainer.enable_progress_bar=false",
+        "exp_manager.checkpoint_every_n_steps=4",
+        "exp_manager.resume_if_exists=true",
+        f"exp_manager.explicit_log_dir={run_dir}",
+        "dflash=dflash",
+        "dflash.num_anchors=8",
+        "dflash.serving_val_samples=0",
+        *extra,
+    ]))
+
+
+def test_serving_anchors_mine_steer_training_and_resume_exactly(tiny_salm_dir, demo_data, tmp_path):
+    option = ["dflash.serving_anchor_fraction=0.5", "dflash.serving_anchor_every=3"]
+    straight = train(_recipe(tiny_salm_dir, demo_data, tmp_path / "straight", 8, *option))
+    stopped = train(_recipe(tiny_salm_dir, demo_data, tmp_path / "resumed", 4, *option))
+    checkpoint = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    mined = checkpoint[CHECKPOINT_KEY]
+    assert len(mined) >= 4 and all(starts and starts[0] == 0 and starts == sorted(set(starts)) for starts in mined.values())
+    resumed = train(_recipe(tiny_salm_dir, demo_data, tmp_path / "resumed", 8, *option))
+    assert stopped.steps == 4 and resumed.steps == 8
+    a = load_file(str(straight.export_dir / "model.safetensors"))
+    b = load_file(str(resumed.export_dir / "model.safetensors"))
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 1e-6, f"resumed weights differ by {worst}"
+
+    uniform = train(_recipe(tiny_salm_dir, demo_data, tmp_path / "uniform", 8))
+    assert not same_tensors(a, load_file(str(uniform.export_dir / "model.safetensors"))), "the option changed nothing"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["dflash.serving_anchor_fraction=1.5"], "dflash.serving_anchor_fraction=1.5 must be in [0, 1]"),
+    (["dflash.serving_anchor_every=0", "dflash.serving_anchor_fraction=0.5"], "dflash.serving_anchor_every=0 must be >= 1"),
+    (["dflash.serving_anchor_fraction=0.5", "data.train_ds.packing=true", "++data.train_ds.batch_size=null"],
+     "dflash.serving_anchor_fraction > 0 needs padded batches"),
+    (["dflash=mtp", "dflash.serving_anchor_fraction=0.5"], "dflash.serving_anchor_fraction is a DFlash key the mtp"),
+])
+def test_serving_anchor_mistakes_are_one_line_errors(tiny_salm_dir, demo_data, tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        _recipe(tiny_salm_dir, demo_data, tmp_path, 2, *[o for o in overrides if not o.startswith("dflash=")],
+                *[o for o in overrides if o.startswith("dflash=")])
