@@ -71,6 +71,9 @@ def _command(salm_dir, cuts, run_dir: Path, exp_dir: Path) -> list[str]:
         "exp_manager.resume_if_exists=true",
         "exp_manager.checkpoint_every_n_steps=1000",  # no periodic checkpoint: only preemption saves one
         "exp_manager.record_sample_ids=true",
+        # serving-aware anchors on: mining is a collective and its memory must survive the preemption checkpoint
+        "dflash.serving_anchor_fraction=0.5",
+        "dflash.serving_anchor_every=2",
     ]
 
 
@@ -157,6 +160,20 @@ def test_both_ranks_decode_their_share_of_serving_validation_and_report_the_pool
     assert int(float(rows[-1]["val/serving_rounds"])) == counters.rounds > 0
     summaries = [line for line in output.splitlines() if "(teacher-forced), serving MAL" in line]
     assert len(summaries) == 2 and all(line.endswith(f"serving MAL {counters.mal:.4f}") for line in summaries)
+
+
+def test_the_checkpoint_holds_the_round_starts_both_ranks_mined(straight):
+    """Serving-aware anchors: each rank mines its own rows (steps 0, 2, 4, 6); the checkpoint rank 0 writes
+    must hold both ranks' memories, or a resumed rank would forget its own."""
+    import torch
+
+    from dflash_train.training.serving_anchors import CHECKPOINT_KEY
+
+    run_dir, _, _ = straight
+    mined = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)[CHECKPOINT_KEY]
+    for rank in (0, 1):
+        rows = [r for r in _sample_log(run_dir, rank) if r["split"] == "train" and r["step"] in (0, 2, 4, 6)]
+        assert {i for r in rows for i in r["ids"]} <= set(mined), rank
 
 
 def test_all_ranks_share_one_hydra_run_directory(straight):
