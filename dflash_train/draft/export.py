@@ -25,13 +25,19 @@ class DraftExportError(RuntimeError):
     """An export directory does not match the draft it should hold."""
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded CPU state dict; a collective under FSDP2 (call it on every rank)."""
+def full_state_dict(model: nn.Module, every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """Unsharded state dict; a collective under FSDP2 (call it on every rank).
+
+    By default the export's form: on the CPU, and under FSDP2 only rank 0 receives it (the others
+    get an empty dict). ``every_rank=True``: every rank receives the whole state on the model's
+    device (validation's and mining's serving copies, which every rank decodes with).
+    """
     if any(hasattr(p, "full_tensor") for p in model.parameters()):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank)
+        return get_model_state_dict(model, options=options)
+    return {k: v.detach() if every_rank else v.detach().cpu() for k, v in model.state_dict().items()}
 
 
 def export_config(draft_config) -> dict:

@@ -508,7 +508,7 @@ class DFlashDraftModule(L.LightningModule):
     def serving_copy(self) -> torch.nn.Module:
         """The draft as serving runs it: unsharded, in its export form, in the target's dtype and on its device.
         Gathering FSDP2 shards is a collective: every rank must call this at the same point."""
-        state = full_state_dict(self.draft)
+        state = full_state_dict(self.draft, every_rank=True)
         embed = self.target.embed_tokens.weight
         copy = family_of(self.spec.variant).serving_copy(self.draft, self.target, self.spec, state)
         return copy.to(device=embed.device, dtype=embed.dtype).eval()
