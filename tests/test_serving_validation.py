@@ -59,9 +59,10 @@ def _last_logged(run_dir, prefix: str) -> dict[str, float]:
 
 @pytest.mark.parametrize("variant", ["dflash", "dflash2", "mtp"])
 def test_the_logged_serving_mal_is_what_dflash_eval_measures_on_the_export(variant, tiny_salm_dir, demo_data,
-                                                                          tmp_path):
+                                                                          tmp_path, caplog):
     run_dir = tmp_path / "run"
-    summary = train(_recipe(tiny_salm_dir, demo_data, run_dir, f"dflash={variant}"))
+    with caplog.at_level("INFO", logger="dflash_train.training.recipe"):
+        summary = train(_recipe(tiny_salm_dir, demo_data, run_dir, f"dflash={variant}"))
     logged = _last_logged(run_dir, "val/serving_")
     export = str(summary.export_dir)
     if variant == "mtp":  # the export is the target with its heads
@@ -84,6 +85,8 @@ def test_the_logged_serving_mal_is_what_dflash_eval_measures_on_the_export(varia
         for name, value in (("acceptance", position.rate), ("conditional", position.conditional)):
             got = logged[f"val/serving_{name}@{position.k}"]
             assert (math.isnan(got) and math.isnan(value)) or got == pytest.approx(value, abs=1e-6), (name, position)
+    assert (f"validation at step 12: val accept_len {summary.val_accept_len:.4f} (teacher-forced), serving MAL "
+            f"{summary.val_serving_mal:.4f}") in caplog.text
     assert f"serving MAL {summary.val_serving_mal:.4f}" in "\n".join(summary.report(_recipe(
         tiny_salm_dir, demo_data, run_dir, f"dflash={variant}")[0]))
 

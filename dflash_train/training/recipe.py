@@ -220,6 +220,23 @@ class ProgressLog(Callback):
             trainer.optimizers[0].param_groups[0]["lr"],
         )
 
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Teacher-forced and serving acceptance side by side after every validation."""
+        if not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        metrics = trainer.callback_metrics
+
+        def value(key: str) -> str:
+            return f"{float(metrics[key]):.4f}" if key in metrics else "n/a"
+
+        log.info(
+            "validation at step %d: val accept_len %s (teacher-forced), serving MAL %s (acceptance@1 %s)",
+            trainer.global_step,
+            value("val/accept_len"),
+            value("val/serving_mal"),
+            value("val/serving_acceptance@1"),
+        )
+
 
 class SampleIdLog(Callback):
     """Every rank appends the sample ids of each batch it trains or validates on to ``rank<R>.jsonl``.
