@@ -91,6 +91,24 @@ def same_tensors(a: dict, b: dict) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+def demo_recipe(salm_dir, demo_data, run_dir, *overrides: str):
+    """The demo recipe on the tiny SALM and the demo speech fixture (fp32, no progress bar), validated:
+    what ``dflash-train --config-name=demo`` runs, with the tests' target and data."""
+    from dflash_train.config import validate_config
+
+    train_cuts, val_cuts = demo_data
+    return validate_config(compose("demo", [
+        f"model.pretrained_name={salm_dir}",
+        f"data.train_ds.input_cfg.0.cuts_path={train_cuts}",
+        f"data.validation_ds.input_cfg.0.cuts_path={val_cuts}",
+        "data.train_ds.bucket_estimate_samples=20",
+        "trainer.precision=32-true",
+        "+trainer.enable_progress_bar=false",
+        f"exp_manager.explicit_log_dir={run_dir}",
+        *overrides,
+    ]))
+
+
 def tiny_run_overrides(salm_dir) -> list[str]:
     """Overrides that make the main recipe valid for the tiny SALM on CPU."""
     return [

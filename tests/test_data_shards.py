@@ -19,11 +19,10 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from conftest import compose, same_tensors
+from conftest import demo_recipe, same_tensors
 from lhotse import CutSet
 from safetensors.torch import load_file
 
-from dflash_train.config import validate_config
 from dflash_train.config.schema import InputConfig
 from dflash_train.data.examples import ExampleStream, Filters, Preparer, SkipCounter
 from dflash_train.data.inputs import open_input
@@ -171,26 +170,21 @@ def _shard_recipe(kind, tiny_salm_dir, demo_data, shar_dir, tarred, run_dir, ste
     else:
         train_input = (f"{{type: nemo_tarred, manifest_filepath: '{tarred[0]}', "
                        f"tarred_audio_filepaths: '{tarred[1]}'}}")
-    return validate_config(compose("demo", [
-        f"model.pretrained_name={tiny_salm_dir}",
-        f"data.train_ds.input_cfg=[{train_input}]",
-        f"data.validation_ds.input_cfg.0.cuts_path={demo_data[1]}",
-        "data.train_ds.bucket_estimate_samples=16",
-        "data.train_ds.bucket_buffer_size=16",
-        "data.train_ds.shuffle_buffer_size=16",
-        "data.train_ds.batch_tokens=400",
-        "trainer.precision=32-true",
-        f"trainer.max_steps={steps}",
-        "trainer.val_check_interval=2",
-        "trainer.limit_val_batches=1",
-        "+trainer.enable_progress_bar=false",
-        "+trainer.enable_model_summary=false",
-        "exp_manager.checkpoint_every_n_steps=2",
-        "exp_manager.resume_if_exists=true",
-        f"exp_manager.explicit_log_dir={run_dir}",
-        "dflash=dflash",
-        "dflash.num_anchors=8",
-    ]))
+    return demo_recipe(tiny_salm_dir, demo_data, run_dir,
+                       f"data.train_ds.input_cfg=[{train_input}]",
+                       "data.train_ds.bucket_estimate_samples=16",
+                       "data.train_ds.bucket_buffer_size=16",
+                       "data.train_ds.shuffle_buffer_size=16",
+                       "data.train_ds.batch_tokens=400",
+                       f"trainer.max_steps={steps}",
+                       "trainer.val_check_interval=2",
+                       "trainer.limit_val_batches=1",
+                       "+trainer.enable_model_summary=false",
+                       "exp_manager.checkpoint_every_n_steps=2",
+                       "exp_manager.resume_if_exists=true",
+                       "dflash=dflash",
+                       "dflash.num_anchors=8",
+                       "dflash.serving_val_samples=0")
 
 
 @pytest.mark.parametrize("kind", ["lhotse_shar", "nemo_tarred"])

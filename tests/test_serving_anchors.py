@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose, same_tensors
+from conftest import demo_recipe, same_tensors
 from safetensors.torch import load_file
 
-from dflash_train.config import validate_config
 from dflash_train.draft.build import replace_with_preferred
 from dflash_train.errors import ConfigError
 from dflash_train.training.serving_anchors import CHECKPOINT_KEY, reply_span
@@ -45,26 +44,10 @@ def test_the_reply_span_is_the_last_supervised_run():
 
 
 def _recipe(tiny_salm_dir, demo_data, run_dir, steps, *extra):
-    train_cuts, val_cuts = demo_data
-    return validate_config(compose("demo", [
-        f"model.pretrained_name={tiny_salm_dir}",
-        f"data.train_ds.input_cfg.0.cuts_path={train_cuts}",
-        f"data.validation_ds.input_cfg.0.cuts_path={val_cuts}",
-        "data.train_ds.bucket_estimate_samples=20",
-        "data.train_ds.batch_tokens=400",
-        "trainer.precision=32-true",
-        f"trainer.max_steps={steps}",
-        "trainer.val_check_interval=4",
-        "trainer.limit_val_batches=1",
-        "+trainer.enable_progress_bar=false",
-        "exp_manager.checkpoint_every_n_steps=4",
-        "exp_manager.resume_if_exists=true",
-        f"exp_manager.explicit_log_dir={run_dir}",
-        "dflash=dflash",
-        "dflash.num_anchors=8",
-        "dflash.serving_val_samples=0",
-        *extra,
-    ]))
+    return demo_recipe(tiny_salm_dir, demo_data, run_dir, "data.train_ds.batch_tokens=400", f"trainer.max_steps={steps}",
+                       "trainer.val_check_interval=4", "trainer.limit_val_batches=1",
+                       "exp_manager.checkpoint_every_n_steps=4", "exp_manager.resume_if_exists=true", "dflash=dflash",
+                       "dflash.num_anchors=8", "dflash.serving_val_samples=0", *extra)
 
 
 def test_serving_anchors_mine_steer_training_and_resume_exactly(tiny_salm_dir, demo_data, tmp_path):

@@ -13,9 +13,8 @@ import csv
 import math
 
 import pytest
-from conftest import compose
+from conftest import demo_recipe
 
-from dflash_train.config import validate_config
 from dflash_train.config.schema import InputConfig
 from dflash_train.errors import ConfigError
 from dflash_train.evaluate.loading import TargetSource
@@ -27,22 +26,9 @@ MAX_NEW_TOKENS = 24
 
 
 def _recipe(tiny_salm_dir, demo_data, run_dir, *extra):
-    train_cuts, val_cuts = demo_data
-    return validate_config(compose("demo", [
-        f"model.pretrained_name={tiny_salm_dir}",
-        f"data.train_ds.input_cfg.0.cuts_path={train_cuts}",
-        f"data.validation_ds.input_cfg.0.cuts_path={val_cuts}",
-        "data.train_ds.bucket_estimate_samples=20",
-        "trainer.precision=32-true",
-        "trainer.max_steps=12",
-        "trainer.val_check_interval=6",
-        "trainer.limit_val_batches=1",
-        "+trainer.enable_progress_bar=false",
-        f"dflash.serving_val_samples={SAMPLES}",
-        f"dflash.serving_val_max_new_tokens={MAX_NEW_TOKENS}",
-        f"exp_manager.explicit_log_dir={run_dir}",
-        *extra,
-    ]))
+    return demo_recipe(tiny_salm_dir, demo_data, run_dir, "trainer.max_steps=12", "trainer.val_check_interval=6",
+                       "trainer.limit_val_batches=1", f"dflash.serving_val_samples={SAMPLES}",
+                       f"dflash.serving_val_max_new_tokens={MAX_NEW_TOKENS}", *extra)
 
 
 def _last_logged(run_dir, prefix: str) -> dict[str, float]:
