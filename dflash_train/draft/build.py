@@ -102,14 +102,15 @@ def with_stable_anchor_count(trainer_cls: type, multiple: int) -> type:
 
 
 def with_preferred_anchors(trainer_cls: type) -> type:
-    """``trainer_cls`` that can draw part of each row's anchors from given positions.
+    """``trainer_cls`` that can give part of each row's blocks to given positions.
 
     Before a forward, set ``core.preferred_anchors`` to one list of sequence positions per row
-    and ``core.preferred_fraction`` to f: after the library's uniform draw, up to ``round(f * n)``
-    of a row's ``n`` kept anchors are replaced by its preferred positions that are valid anchors
-    (supervised, a full block left in the sequence), in the given order. The number of blocks per
-    row, the keep mask and every other rule stay the library's; with no preference set the draw is
-    exactly the library's.
+    and ``core.preferred_fraction`` to f. After the library's uniform draw of a row's ``n`` kept
+    anchors, its first ``round(f * n)`` preferred positions that are valid anchors (supervised, a
+    full block left in the sequence and the document) each get one block: it replaces a block of
+    the uniform draw chosen at random (the current RNG), so a preferred position the draw also
+    picked trains twice, i.e. with double weight. The number of blocks per row, the keep mask and
+    every other rule stay the library's; with no preference set the draw is exactly the library's.
     """
 
     class PreferredAnchors(trainer_cls):
@@ -139,8 +140,9 @@ def replace_with_preferred(
     seq_len: int,
     doc_remaining: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's kept anchors with up to ``round(fraction * kept)`` of them replaced by its valid preferred
-    positions (the rule of :func:`with_preferred_anchors`); sorted, same count, same keep mask."""
+    """Each row's kept anchors with ``round(fraction * kept)`` of them (at most) given to its valid preferred
+    positions, the replaced ones drawn at random (the rule of :func:`with_preferred_anchors`); sorted, same
+    count, same keep mask."""
     supervised = (loss_mask > 0.5).cpu()  # one transfer each, then host lists
     remaining = doc_remaining.cpu() if doc_remaining is not None else None
     rows = anchors.cpu().tolist()
@@ -157,8 +159,8 @@ def replace_with_preferred(
                 valid.append(position)
         chosen = valid[: round(fraction * kept)]
         if chosen:
-            rest = [a for a in rows[row][:kept] if a not in chosen]
-            rows[row][:kept] = sorted(chosen + rest[: kept - len(chosen)])
+            survivors = torch.randperm(kept)[: kept - len(chosen)].tolist()
+            rows[row][:kept] = sorted(chosen + [rows[row][i] for i in survivors])
     return torch.tensor(rows, dtype=anchors.dtype, device=anchors.device), keep
 
 

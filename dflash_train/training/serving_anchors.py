@@ -1,14 +1,15 @@
 """Serving-aware anchors: train more often where serving's rounds actually start.
 
 Teacher-forced training draws its anchors uniformly over a reply; serving starts its rounds
-only at the bonus tokens, and most of those right after the target corrected the draft
-(docs/benchmarks.md, "Where serving's rounds start"). With ``dflash.serving_anchor_fraction``
-f > 0, every ``dflash.serving_anchor_every`` steps each rank decodes the rows of its current
-batch with the reference speculative decoder (an unsharded copy of the draft, the prompt as the
-row holds it, up to the row's reply length) and remembers, per sample id, the reply offsets at
-which serving's rounds started. Whenever a remembered sample is trained on again, up to f of
-its row's anchors are drawn from those round starts (the rest uniformly, as before; the number
-of blocks does not change).
+only at bonus tokens, and the rounds that start right after the target corrected the draft are
+where serving loses most (docs/benchmarks.md, "Where serving's rounds start"). With
+``dflash.serving_anchor_fraction`` f > 0, every ``dflash.serving_anchor_every`` steps each rank
+decodes the rows of its current batch with the reference speculative decoder (an unsharded copy
+of the draft, the prompt as the row holds it, up to the row's reply length) and remembers, per
+sample id, the reply offsets at which a round started after a correction. Whenever a remembered
+sample is trained on again, up to f of its row's blocks are placed at those positions, each
+replacing a block of the uniform draw chosen at random (a position the draw also picked then
+trains twice); the number of blocks does not change.
 
 The memory is part of the checkpoint (gathered from every rank), mining happens on the same
 steps on every rank and consumes no random numbers, so resumes stay exact.
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash_train.evaluate.anchors import round_starts
+from dflash_train.evaluate.anchors import AFTER_CORRECTION, round_starts
 from dflash_train.evaluate.decoder import StopRule, proposer_for, speculative_decode
 from dflash_train.evaluate.session import TargetSession
 from dflash_train.target.base import FrozenTarget
@@ -33,7 +34,7 @@ CHECKPOINT_KEY = "dflash_train_serving_anchor_starts"
 
 @dataclass(frozen=True)
 class ServingAnchorSettings:
-    """``fraction`` of a row's anchors from its mined round starts, mined every ``every`` steps at K."""
+    """``fraction`` of a row's blocks at its mined correction starts, mined every ``every`` steps at K."""
 
     fraction: float
     every: int
@@ -57,7 +58,7 @@ class ServingAnchorMiner:
 
     def __init__(self, settings: ServingAnchorSettings):
         self.settings = settings
-        self.starts: dict[str, list[int]] = {}  # sample id -> reply offsets of serving's round starts
+        self.starts: dict[str, list[int]] = {}  # sample id -> reply offsets of rounds started after a correction
 
     def due(self, global_step: int, micro_batch: int) -> bool:
         """Whether this step mines (the same answer on every rank)."""
@@ -68,7 +69,8 @@ class ServingAnchorMiner:
         self, target: FrozenTarget, draft: nn.Module, inputs_embeds: torch.Tensor, loss_mask: torch.Tensor,
         sample_ids: Sequence[str],
     ) -> None:
-        """Decode each row's prompt like serving (at most its reply's length) and remember its round starts."""
+        """Decode each row's prompt like serving (at most its reply's length) and remember where its rounds
+        started after a correction."""
         k = self.settings.num_speculative_tokens
         dtype = target.embed_tokens.weight.dtype
         for row, sample_id in enumerate(sample_ids):
@@ -80,10 +82,11 @@ class ServingAnchorMiner:
             rule = StopRule(length, self.settings.stop_token_ids)
             prompt = inputs_embeds[row : row + 1, :start].to(dtype)
             decoded = speculative_decode(TargetSession(target, layer_ids), proposer, prompt, rule)
-            self.starts[sample_id] = [offset for offset, _ in round_starts(decoded.accepted_per_round, k)]
+            starts = round_starts(decoded.accepted_per_round, k)
+            self.starts[sample_id] = [offset for offset, kind in starts if kind == AFTER_CORRECTION]
 
     def preferred(self, loss_mask: torch.Tensor, sample_ids: Sequence[str]) -> list[list[int]]:
-        """Per row, the sequence positions of its sample's remembered round starts (empty when none)."""
+        """Per row, the sequence positions of its sample's remembered correction starts (empty when none)."""
         rows = []
         for row, sample_id in enumerate(sample_ids):
             offsets = self.starts.get(sample_id)

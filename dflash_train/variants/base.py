@@ -47,7 +47,7 @@ class DFlashConfig:
     serving_val_samples: int = 0  # validation records decoded like serving at every validation (0: off)
     serving_val_max_new_tokens: int = 64  # greedy reply length cap of that decoding
     serving_val_perception_dtype: str = "bfloat16"  # serving's perception precision (vLLM runs it in bfloat16)
-    serving_anchor_fraction: float = 0.0  # share of a row's anchors drawn at serving's mined round starts (0: off)
+    serving_anchor_fraction: float = 0.0  # share of a row's blocks at mined post-correction round starts (0: off)
     serving_anchor_every: int = 10  # steps between two minings of the current batch's round starts
     draft_model_config: dict = field(default_factory=dict)
 
