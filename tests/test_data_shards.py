@@ -275,3 +275,14 @@ def test_an_undecodable_file_in_a_nemo_style_conversation_tar_counts_the_rest_of
     stream, counter = _stream(inp, tiny_target, audio_estimator)
     assert [ex.id for ex in stream] == ["chat-0", "chat-3", "chat-4", "chat-5"]
     assert dict(counter.counts) == {"unreadable_audio": 1, "after_unreadable_audio": 1}
+
+
+def test_offline_labels_refuse_a_sharded_or_remote_input_before_any_work(shar_dir, tmp_path):
+    from dflash_train.evaluate.offline_labels import generate_labels
+
+    for inp in (InputConfig(type="lhotse_shar", shar_path=str(shar_dir)),
+                InputConfig(type="lhotse_as_conversation", cuts_path="s3://bucket/cuts.jsonl.gz")):
+        with pytest.raises(ConfigError, match=r"^dflash-labels rewrites local cuts, NeMo manifests or conversation "
+                                              r"JSONL files; '.*' \(.*\) is sharded or remote"):
+            generate_labels(None, None, None, inp, None, tmp_path / "labels.jsonl.gz", {})
+    assert not (tmp_path / "labels.jsonl.gz").exists()

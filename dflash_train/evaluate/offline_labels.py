@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from dflash_train.config.schema import InputConfig
 from dflash_train.data.estimator import AudioTokenEstimator
+from dflash_train.data.inputs import CONVERSATIONS, CUTS, MANIFEST, input_path, input_source, is_remote
 from dflash_train.data.prompt import ChatMLFormat
 from dflash_train.errors import ConfigError
 from dflash_train.evaluate.decoder import StopRule
@@ -101,6 +102,11 @@ def _write(inp: InputConfig, records: list, output: Path) -> None:
 
 
 def _check_output(inp: InputConfig, output: Path) -> None:
+    if input_source(inp) not in (CUTS, MANIFEST, CONVERSATIONS) or is_remote(input_path(inp)):
+        raise ConfigError(
+            f"dflash-labels rewrites local cuts, NeMo manifests or conversation JSONL files; '{input_path(inp)}' "
+            f"({inp.type}) is sharded or remote: label a local manifest of it instead"
+        )
     source = Path(inp.cuts_path or inp.manifest_filepath).resolve()
     if output.resolve() == source:
         raise ConfigError(f"--out '{output}' is the input itself; write the labels to a new file (originals are kept)")
