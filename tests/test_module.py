@@ -402,8 +402,8 @@ def _poison_steps(monkeypatch, steps):
 
     real = DFlashDraftModule.run_core
 
-    def run_core(self, inputs, rng_key):
-        metrics = real(self, inputs, rng_key)
+    def run_core(self, inputs, rng_key, *rest):
+        metrics = real(self, inputs, rng_key, *rest)
         if self.training and self.global_step in steps:
             metrics.loss = metrics.loss * float("nan")
         return metrics

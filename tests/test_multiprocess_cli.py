@@ -158,7 +158,7 @@ def test_both_ranks_decode_their_share_of_serving_validation_and_report_the_pool
         rows = [row for row in csv.DictReader(f) if row.get("val/serving_rounds")]
     assert [int(float(row["step"])) for row in rows] == [3, 7]  # Lightning's 0-based step of validations 4 and 8
     assert int(float(rows[-1]["val/serving_rounds"])) == counters.rounds > 0
-    summaries = [line for line in output.splitlines() if "(teacher-forced), serving MAL" in line]
+    summaries = [line for line in output.splitlines() if "steps: 8;" in line]
     assert len(summaries) == 2 and all(line.endswith(f"serving MAL {counters.mal:.4f}") for line in summaries)
 
 
