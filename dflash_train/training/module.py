@@ -75,7 +75,7 @@ class ModuleSettings:
     target_fingerprint: Optional[str] = None  # SHA-256 of the target's weights file (None: built, not loaded)
     stable_shapes: Optional[bool] = None  # pad lengths and anchor counts to multiples (None: on for flex)
     serving_validation: Optional[ServingValidation] = None  # decode like serving at every validation (None: off)
-    serving_anchors: Optional[ServingAnchorMiner] = None  # draw anchors at serving's round starts (None: off)
+    serving_anchors: Optional[ServingAnchorMiner] = None  # blocks where serving rounds start after a correction
 
     @property
     def pads_shapes(self) -> bool:
@@ -263,7 +263,7 @@ class DFlashDraftModule(L.LightningModule):
     def run_core(self, inputs: StepInputs, rng_key: int, preferred: Optional[list[list[int]]] = None):
         """One trainer-core forward; anchor sampling is seeded by ``rng_key`` so resumes are exact.
 
-        ``preferred``: per row, positions to draw part of its anchors from (serving-aware anchors).
+        ``preferred``: per row, positions that get part of its blocks (serving-aware anchors).
         """
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
