@@ -84,6 +84,7 @@ def main() -> None:
         rows = range(rank * len(TEXTS) // world, (rank + 1) * len(TEXTS) // world)
         speech = (torch.as_tensor(audios)[list(rows)], torch.as_tensor(lens)[list(rows)])
         batch = chatml_speech_batch(target, speech, [TEXTS[i] for i in rows], repeat=2)
+        batch.sample_ids = [f"row-{row}" for row in rows]  # global ids: the same sample has one id at any world size
         for local, row in enumerate(rows):
             if row in unsupervised:
                 batch.loss_mask[local] = False

@@ -72,6 +72,20 @@ def test_two_ranks_match_one(single, tiny_salm_dir, wavs, tmp_path, strategy, va
     assert worst < 1e-6, f"{strategy}/{variant}: weights after 2 SGD steps differ from one process by {worst}"
 
 
+def test_serving_anchors_keep_two_fsdp2_ranks_equal_to_one_process(tiny_salm_dir, wavs, tmp_path):
+    """Mining (a collective), the mined memory and the blocks it moves depend on the samples, not on the
+    rank: two ranks still train exactly like one process on the same global batch."""
+    # every anchor is drawn (num_anchors 512): the moved blocks duplicate round starts, so the weights change
+    flags = (*SGD, "--set", "dflash.serving_anchor_fraction=1.0", "--set", "dflash.serving_anchor_every=1")
+    one = _launch(tmp_path / "one", tiny_salm_dir, "ddp", "dflash", 1, wavs, *flags)
+    two = _launch(tmp_path / "two", tiny_salm_dir, "fsdp2", "dflash", 2, wavs, *flags)
+    assert one[0]["train_loss"] == pytest.approx(two[0]["train_loss"], rel=1e-5)
+    worst = _worst_difference(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
+    assert worst < 1e-6, f"serving anchors: 2 ranks differ from one process by {worst}"
+    plain = _launch(tmp_path / "plain", tiny_salm_dir, "ddp", "dflash", 1, wavs, *SGD)
+    assert _worst_difference(_weights(tmp_path / "plain"), _weights(tmp_path / "one")) > 0, "the option did nothing"
+
+
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_a_rank_without_anchor_runs_the_same_collectives_and_matches_one_process(tiny_salm_dir, wavs, tmp_path,
                                                                                strategy):

@@ -13,7 +13,7 @@ import torch
 from conftest import demo_recipe, same_tensors
 from safetensors.torch import load_file
 
-from dflash_train.draft.build import replace_with_preferred
+from dflash_train.draft.build import PreferredRow, replace_with_preferred
 from dflash_train.errors import ConfigError
 from dflash_train.training.serving_anchors import CHECKPOINT_KEY, reply_span
 from dflash_train.training.recipe import train
@@ -26,9 +26,13 @@ def test_preferred_positions_take_blocks_from_the_uniform_draw():
     loss_mask[1, 2:10] = 1
     anchors = torch.tensor([[5, 6, 8, 11, 12, 0], [2, 3, 4, 0, 0, 0]])
     keep = torch.tensor([[True] * 5 + [False], [True] * 3 + [False] * 3])
-    preferred = [[9, 2, 13, 9, 15, 7, 17], [7, 3]]  # row 0: 2 and 15 unsupervised, 17 has no full block (B=4, S=20)
-    torch.manual_seed(0)
-    out, out_keep = replace_with_preferred(anchors, keep, preferred, 0.6, loss_mask, 4, 20, None)
+    # row 0: 2 and 15 unsupervised, 17 has no full block (B=4, S=20)
+    preferred = [PreferredRow([9, 2, 13, 9, 15, 7, 17], 1), PreferredRow([7, 3], 2)]
+
+    def replaced(rows, remaining=None):
+        return replace_with_preferred(anchors, keep, rows, 0.6, loss_mask, 4, 20, remaining)
+
+    out, out_keep = replaced(preferred)
     assert torch.equal(out_keep, keep) and out[0, 5] == 0 and out[1, 3:].tolist() == [0, 0, 0]
     row0, row1 = out[0, :5].tolist(), out[1, :3].tolist()
     assert row0 == sorted(row0) and row1 == sorted(row1)
@@ -36,15 +40,15 @@ def test_preferred_positions_take_blocks_from_the_uniform_draw():
     assert sorted(set(row0) & {9, 13, 7}) == [7, 9, 13] and len([a for a in row0 if a in (5, 6, 8, 11, 12)]) == 2
     # round(0.6 * 3) = 2 blocks go to 7 and 3; 3 may also survive from the draw and then trains twice
     assert row1.count(7) == 1 and row1.count(3) >= 1 and len(row1) == 3
-    draws = {tuple(replace_with_preferred(anchors, keep, preferred, 0.6, loss_mask, 4, 20, None)[0][0].tolist())
-             for _ in range(40)}
-    assert len(draws) > 1  # the replaced blocks are drawn at random, not always the last ones
+    assert torch.equal(replaced(preferred)[0], out)  # the row's seed decides, not the global generator
+    draws = {tuple(replaced([PreferredRow(preferred[0].positions, seed), preferred[1]])[0][0].tolist())
+             for seed in range(40)}
+    assert len(draws) > 1  # the replaced blocks depend on the seed, not always the last ones
     remaining = torch.full((2, 20), 100)
     remaining[0, 13] = 1  # 13 would cross its document's end
-    out, _ = replace_with_preferred(anchors, keep, preferred, 0.6, loss_mask, 4, 20, remaining)
-    assert 13 not in out[0].tolist() or 13 in anchors[0].tolist()
-    assert sorted(set(out[0, :5].tolist()) & {9, 7}) == [7, 9]
-    assert torch.equal(replace_with_preferred(anchors, keep, [[], []], 0.6, loss_mask, 4, 20, None)[0], anchors)
+    out, _ = replaced(preferred, remaining)
+    assert 13 not in out[0].tolist() and sorted(set(out[0, :5].tolist()) & {9, 7}) == [7, 9]
+    assert torch.equal(replaced([PreferredRow([], 1), PreferredRow([], 2)])[0], anchors)
 
 
 def test_the_reply_span_is_the_last_supervised_run():

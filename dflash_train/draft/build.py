@@ -101,20 +101,29 @@ def with_stable_anchor_count(trainer_cls: type, multiple: int) -> type:
     return StableAnchorCount
 
 
+@dataclass(frozen=True)
+class PreferredRow:
+    """A row's preferred anchor positions and the seed that picks which uniformly drawn blocks they replace."""
+
+    positions: list[int]
+    seed: int
+
+
 def with_preferred_anchors(trainer_cls: type) -> type:
     """``trainer_cls`` that can give part of each row's blocks to given positions.
 
-    Before a forward, set ``core.preferred_anchors`` to one list of sequence positions per row
-    and ``core.preferred_fraction`` to f. After the library's uniform draw of a row's ``n`` kept
+    Before a forward, set ``core.preferred_anchors`` to one :class:`PreferredRow` per row and
+    ``core.preferred_fraction`` to f. After the library's uniform draw of a row's ``n`` kept
     anchors, its first ``round(f * n)`` preferred positions that are valid anchors (supervised, a
     full block left in the sequence and the document) each get one block: it replaces a block of
-    the uniform draw chosen at random (the current RNG), so a preferred position the draw also
-    picked trains twice, i.e. with double weight. The number of blocks per row, the keep mask and
-    every other rule stay the library's; with no preference set the draw is exactly the library's.
+    the uniform draw chosen at random with the row's own seed, so a preferred position the draw
+    also picked trains twice, i.e. with double weight. The number of blocks per row, the keep mask
+    and every other rule stay the library's; with no preference set the draw is exactly the
+    library's.
     """
 
     class PreferredAnchors(trainer_cls):
-        preferred_anchors: list[list[int]] | None = None
+        preferred_anchors: list[PreferredRow] | None = None
         preferred_fraction: float = 0.0
 
         def _sample_anchor_positions(self, seq_len, loss_mask, device, doc_remaining=None):
@@ -133,7 +142,7 @@ def with_preferred_anchors(trainer_cls: type) -> type:
 def replace_with_preferred(
     anchors: torch.Tensor,
     keep: torch.Tensor,
-    preferred: list[list[int]],
+    preferred: list[PreferredRow],
     fraction: float,
     loss_mask: torch.Tensor,
     block_size: int,
@@ -141,8 +150,8 @@ def replace_with_preferred(
     doc_remaining: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's kept anchors with ``round(fraction * kept)`` of them (at most) given to its valid preferred
-    positions, the replaced ones drawn at random (the rule of :func:`with_preferred_anchors`); sorted, same
-    count, same keep mask."""
+    positions, the replaced ones drawn with the row's seed (the rule of :func:`with_preferred_anchors`);
+    sorted, same count, same keep mask."""
     supervised = (loss_mask > 0.5).cpu()  # one transfer each, then host lists
     remaining = doc_remaining.cpu() if doc_remaining is not None else None
     rows = anchors.cpu().tolist()
@@ -151,7 +160,7 @@ def replace_with_preferred(
     for row, wanted in enumerate(preferred):
         kept = int(kept_counts[row])
         valid = []
-        for position in wanted:
+        for position in wanted.positions:
             ok = 0 <= position <= max_anchor and bool(supervised[row, position])
             if ok and remaining is not None:
                 ok = int(remaining[row, position]) >= block_size - 1
@@ -159,7 +168,8 @@ def replace_with_preferred(
                 valid.append(position)
         chosen = valid[: round(fraction * kept)]
         if chosen:
-            survivors = torch.randperm(kept)[: kept - len(chosen)].tolist()
+            generator = torch.Generator().manual_seed(wanted.seed)
+            survivors = torch.randperm(kept, generator=generator)[: kept - len(chosen)].tolist()
             rows[row][:kept] = sorted(chosen + [rows[row][i] for i in survivors])
     return torch.tensor(rows, dtype=anchors.dtype, device=anchors.device), keep
 

@@ -23,7 +23,7 @@ import torch
 from dflash_train.data.batch import SpeechBatch
 from dflash_train.data.packing import document_layout
 from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE
-from dflash_train.draft.build import DraftSpec
+from dflash_train.draft.build import DraftSpec, PreferredRow
 from dflash_train.draft.export import full_state_dict
 from dflash_train.draft.family import family_of
 from dflash_train.errors import ConfigError, NonFiniteTrainingError
@@ -260,7 +260,7 @@ class DFlashDraftModule(L.LightningModule):
         left in its document)."""
         return self.spec.variant.has_valid_anchor(self.spec.cfg, inputs.loss_mask, inputs.doc_remaining)
 
-    def run_core(self, inputs: StepInputs, rng_key: int, preferred: Optional[list[list[int]]] = None):
+    def run_core(self, inputs: StepInputs, rng_key: int, preferred: Optional[list[PreferredRow]] = None):
         """One trainer-core forward; anchor sampling is seeded by ``rng_key`` so resumes are exact.
 
         ``preferred``: per row, positions that get part of its blocks (serving-aware anchors).
@@ -310,7 +310,7 @@ class DFlashDraftModule(L.LightningModule):
             embeds=None if like.embeds is None else like.embeds.new_zeros(1, length, like.embeds.shape[-1]),
         )
 
-    def _forward_core(self, inputs: StepInputs, rng_key: int, preferred: Optional[list[list[int]]] = None):
+    def _forward_core(self, inputs: StepInputs, rng_key: int, preferred: Optional[list[PreferredRow]] = None):
         """The core on ``inputs``, or on :meth:`placeholder_inputs` with zero weight when they hold no anchor.
 
         Returns ``(metrics, sums, loss_sum)``: ``sums`` are the batch's :class:`BlockStats`
@@ -351,7 +351,7 @@ class DFlashDraftModule(L.LightningModule):
             stepped = self._finish_window(optimizer)
         self._log_train(sums, metrics, inputs, started, stepped)
 
-    def _serving_anchors(self, batch: SpeechBatch, inputs: StepInputs, micro: int) -> Optional[list[list[int]]]:
+    def _serving_anchors(self, batch: SpeechBatch, inputs: StepInputs, micro: int) -> Optional[list[PreferredRow]]:
         """Serving-aware anchors (training/serving_anchors.py): mine this batch on due steps, then the
         preferred anchor positions of its rows."""
         miner = self.settings.serving_anchors
@@ -361,7 +361,7 @@ class DFlashDraftModule(L.LightningModule):
             copy = self.serving_copy()  # a collective: every rank mines on the same steps
             spliced = self.target.splice_batch(batch, self.spec.mask_token_id)
             miner.mine(self.target, copy, spliced.inputs_embeds, spliced.loss_mask, batch.sample_ids)
-        return miner.preferred(inputs.loss_mask, batch.sample_ids)
+        return miner.preferred(inputs.loss_mask, batch.sample_ids, self.global_step)
 
     def on_train_epoch_start(self) -> None:
         self._window_weight = 0.0

@@ -414,6 +414,7 @@ def setup_serving_anchors(run: RunConfig, target, spec: DraftSpec) -> Optional[S
         every=run.dflash.serving_anchor_every,
         num_speculative_tokens=spec.variant.speculative_tokens(spec.cfg),
         stop_token_ids=frozenset(default_stop_token_ids(prompt_format)),
+        seed=run.seed,
     )
     log.info("serving-aware anchors: up to %.0f%% of each row's anchors at its serving round starts, mined every "
              "%d steps", 100 * fraction, settings.every)

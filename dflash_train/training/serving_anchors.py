@@ -8,15 +8,18 @@ decodes the rows of its current batch with the reference speculative decoder (an
 of the draft, the prompt as the row holds it, up to the row's reply length) and remembers, per
 sample id, the reply offsets at which a round started after a correction. Whenever a remembered
 sample is trained on again, up to f of its row's blocks are placed at those positions, each
-replacing a block of the uniform draw chosen at random (a position the draw also picked then
-trains twice); the number of blocks does not change.
+replacing a block of the uniform draw chosen with a seed of the run's seed, the step and the
+sample id (a position the draw also picked then trains twice); the number of blocks does not
+change, and a sample gets the same blocks on any rank at any world size.
 
 The memory is part of the checkpoint (gathered from every rank), mining happens on the same
-steps on every rank and consumes no random numbers, so resumes stay exact.
+steps on every rank and neither it nor the replacement touches the global random generators,
+so resumes stay exact and two ranks train like one process on the same global batch.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -24,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflash_train.draft.build import PreferredRow
 from dflash_train.evaluate.anchors import AFTER_CORRECTION, round_starts
 from dflash_train.evaluate.decoder import StopRule, proposer_for, speculative_decode
 from dflash_train.evaluate.session import TargetSession
@@ -40,6 +44,7 @@ class ServingAnchorSettings:
     every: int
     num_speculative_tokens: int
     stop_token_ids: frozenset[int]
+    seed: int = 0  # the run's seed: with the step and the sample id it picks the replaced blocks
 
 
 def reply_span(loss_mask_row: torch.Tensor) -> Optional[tuple[int, int]]:
@@ -85,13 +90,16 @@ class ServingAnchorMiner:
             starts = round_starts(decoded.accepted_per_round, k)
             self.starts[sample_id] = [offset for offset, kind in starts if kind == AFTER_CORRECTION]
 
-    def preferred(self, loss_mask: torch.Tensor, sample_ids: Sequence[str]) -> list[list[int]]:
-        """Per row, the sequence positions of its sample's remembered correction starts (empty when none)."""
+    def preferred(self, loss_mask: torch.Tensor, sample_ids: Sequence[str], global_step: int) -> list[PreferredRow]:
+        """Per row, the sequence positions of its sample's remembered correction starts (empty when none) and
+        the seed choosing the blocks they replace: from the run's seed, the step and the sample id only, so a
+        sample gets the same blocks on whichever rank and at whichever world size it is trained."""
         rows = []
         for row, sample_id in enumerate(sample_ids):
             offsets = self.starts.get(sample_id)
             span = reply_span(loss_mask[row]) if offsets else None
-            rows.append([span[0] + offset for offset in offsets] if span else [])
+            seed = zlib.crc32(f"{self.settings.seed}:{global_step}:{sample_id}".encode())
+            rows.append(PreferredRow([span[0] + offset for offset in offsets] if span else [], seed))
         return rows
 
     def state(self) -> dict[str, list[int]]:
