@@ -65,11 +65,6 @@ class ServingValidation:
         self._prompts: Optional[list[torch.Tensor]] = None  # this rank's prompt embeddings (the target is frozen)
         self._failures = 0  # this rank's records that could not become a request (counted, not decoded)
 
-    @property
-    def vector_size(self) -> int:
-        """Length of :meth:`measure`'s counter vector: rounds, accepted, failed requests, accepted@1..K."""
-        return 3 + self.settings.num_speculative_tokens
-
     def _own_prompts(self, target: FrozenTarget, rank: int, world_size: int) -> list[torch.Tensor]:
         if self._prompts is None:
             self._prompts = []
@@ -90,7 +85,8 @@ class ServingValidation:
 
     @torch.no_grad()
     def measure(self, target: FrozenTarget, draft: nn.Module, rank: int, world_size: int) -> torch.Tensor:
-        """Decode this rank's requests with ``draft`` (export form) and return its counters as a float64 vector."""
+        """Decode this rank's requests with ``draft`` (export form); its counters as a float64 vector:
+        rounds, accepted, failed requests, accepted@1..K (summed over ranks by the caller)."""
         k = self.settings.num_speculative_tokens
         proposer, layer_ids = proposer_for(draft, target, k)
         counters = AcceptanceCounters(k)
