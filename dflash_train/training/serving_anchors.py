@@ -52,10 +52,10 @@ def reply_span(loss_mask_row: torch.Tensor) -> Optional[tuple[int, int]]:
     positions = torch.nonzero(loss_mask_row, as_tuple=False).flatten().tolist()
     if not positions:
         return None
-    end = start = positions[-1]
-    while start - 1 in positions:
-        start -= 1
-    return start, end - start + 1
+    first = len(positions) - 1
+    while first > 0 and positions[first - 1] == positions[first] - 1:
+        first -= 1
+    return positions[first], positions[-1] - positions[first] + 1
 
 
 class ServingAnchorMiner:
