@@ -286,7 +286,7 @@ class TarredCuts:
 
         reader = LazyNeMoTarredIterator(self.manifest_filepath, self.tarred_audio_filepaths, shuffle_shards=False)
         order = reader.shard_ids  # the reader's order without shuffling
-        shard_of_tar = {str(tar): sid for sid, tar in reader.shard_id_to_tar_path.items()}
+        position_of_tar = {str(reader.shard_id_to_tar_path[sid]): i for i, sid in enumerate(order)}
         produced: dict[int, set[str]] = {sid: set() for sid in order}
         finished = 0  # shards order[:finished] are done
 
@@ -299,11 +299,10 @@ class TarredCuts:
                         yield UndecodableEntry(tar, str(entry["audio_filepath"]))
 
         for cut in reader:
-            sid = shard_of_tar[str(cut.tar_origin)]
-            position = order.index(sid)
+            position = position_of_tar[str(cut.tar_origin)]
             yield from close_shards(position)
             finished = position
-            produced[sid].add(str(cut.recording_id))  # the tar member it was decoded from
+            produced[order[position]].add(str(cut.recording_id))  # the tar member it was decoded from
             yield cut
         yield from close_shards(len(order))
 
@@ -346,14 +345,15 @@ class TarredConversations:
             reader = NeMoMultimodalConversationJsonlAdapter(
                 manifest_filepath=manifest, tarred_audio_filepaths=tar, audio_locator_tag="<audio>"
             )
-            lines = [record.data for record in JsonlRecords(manifest)]
             read = 0
             try:
                 for conversation in reader:
                     read += 1
                     yield conversation
             except Exception as err:  # NeMo's tar reader cannot go on past an undecodable file
-                unread = [i for i, data in enumerate(lines) if i >= read and not (data.get("custom") or {}).get("_skipme")]
+                lines = [record.data for record in JsonlRecords(manifest)]  # only now: which lines were not read
+                kept = [i for i, data in enumerate(lines) if not (data.get("custom") or {}).get("_skipme")]
+                unread = kept[read:]  # NeMo yields the kept lines in order
                 cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                 if unread:
                     yield UndecodableEntry(tar, f"conversation at {manifest}:{unread[0] + 1} ({cause})")
