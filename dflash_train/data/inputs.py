@@ -361,6 +361,17 @@ class TarredConversations:
                     yield UnreadShardRest(tar, i + 1, cause)
 
 
+def _skip_unread(record: Any) -> None:
+    """Raise the counted skip a shard reader's placeholder stands for (a record NeMo's reader could not give)."""
+    if isinstance(record, UndecodableEntry):
+        raise SampleSkipped("unreadable_audio", f"{record.shard}: NeMo's reader could not decode {record.entry}")
+    if isinstance(record, UnreadShardRest):
+        raise SampleSkipped(
+            "after_unreadable_audio",
+            f"{record.shard}: conversation at line {record.line} follows undecodable audio in its shard",
+        )
+
+
 @dataclass(frozen=True)
 class _Defaults:
     """Per-input defaults applied while converting records."""
@@ -379,8 +390,7 @@ class _Defaults:
 
     def cut_to_conversation(self, cut: Cut | UndecodableEntry) -> Conversation:
         """[system] [user: context] [user: audio] [assistant: ``supervisions[0].text``]."""
-        if isinstance(cut, UndecodableEntry):
-            raise SampleSkipped("unreadable_audio", f"{cut.shard}: NeMo's reader could not decode {cut.entry}")
+        _skip_unread(cut)
         if not cut.supervisions:
             raise SampleSkipped("no_supervision", f"cut '{cut.id}' has no supervision")
         reply = _reply_text(cut.supervisions[0].text, cut.id)
@@ -416,13 +426,7 @@ class _Defaults:
 
     def nemo_conversation_to_conversation(self, conversation: Any, supervise_last_only: bool) -> Conversation:
         """A conversation read by NeMo's reader (``NeMoMultimodalConversation``), supervised like the JSONL form."""
-        if isinstance(conversation, UndecodableEntry):
-            raise SampleSkipped("unreadable_audio", f"{conversation.shard}: cannot decode the audio of {conversation.entry}")
-        if isinstance(conversation, UnreadShardRest):
-            raise SampleSkipped(
-                "after_unreadable_audio",
-                f"{conversation.shard}: conversation at line {conversation.line} follows undecodable audio in its shard",
-            )
+        _skip_unread(conversation)
         from nemo.collections.common.data.lhotse.text_adapters import AudioTurn
 
         sample_id = str(conversation.id)

@@ -10,7 +10,9 @@ from pathlib import Path
 from dflash_train.config.schema import DataConfig, DatasetConfig, InputConfig
 from dflash_train.data.inputs import (
     CONVERSATIONS,
+    CUTS,
     INPUT_TYPES,
+    MANIFEST,
     SHAR,
     TAG_KEYS,
     TARRED_CONVERSATIONS,
@@ -26,9 +28,9 @@ from dflash_train.errors import ConfigError
 
 ASSISTANT_TURNS = ("all", "last")
 _SOURCE_KEYS = {
-    "cuts": "cuts_path (lhotse cuts)",
+    CUTS: "cuts_path (lhotse cuts)",
     SHAR: "shar_path (a lhotse Shar directory)",
-    "manifest": "manifest_filepath (NeMo manifest)",
+    MANIFEST: "manifest_filepath (NeMo manifest)",
     TARRED_MANIFEST: "manifest_filepath + tarred_audio_filepaths (NeMo tarred audio)",
     CONVERSATIONS: "manifest_filepath (conversation JSONL)",
     TARRED_CONVERSATIONS: "manifest_filepath + tarred_audio_filepaths (tarred conversations)",
