@@ -10,6 +10,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -194,6 +195,11 @@ class LogResume(Callback):
             log.info("resumed from %s at global step %d, lr %.3g", self.ckpt_path, trainer.global_step, lr)
 
 
+def _metric_text(metrics: dict, key: str) -> str:
+    """A logged metric with four decimals, ``n/a`` when it was not logged."""
+    return f"{float(metrics[key]):.4f}" if key in metrics else "n/a"
+
+
 class ProgressLog(Callback):
     """Plain progress lines on rank 0 every ``log_every_n_steps`` steps (cluster logs have no progress bar)."""
 
@@ -206,10 +212,7 @@ class ProgressLog(Callback):
         if not trainer.is_global_zero or step % self.every or step == self._last:
             return
         self._last = step
-        metrics = trainer.callback_metrics
-
-        def value(key: str) -> str:
-            return f"{float(metrics[key]):.4f}" if key in metrics else "n/a"
+        value = partial(_metric_text, trainer.callback_metrics)
 
         log.info(
             "step %d/%s: loss %s, accept_len %s, lr %.3g",
@@ -224,10 +227,7 @@ class ProgressLog(Callback):
         """Teacher-forced and serving acceptance side by side after every validation."""
         if not trainer.is_global_zero or trainer.sanity_checking:
             return
-        metrics = trainer.callback_metrics
-
-        def value(key: str) -> str:
-            return f"{float(metrics[key]):.4f}" if key in metrics else "n/a"
+        value = partial(_metric_text, trainer.callback_metrics)
 
         log.info(
             "validation at step %d: val accept_len %s (teacher-forced), serving MAL %s (acceptance@1 %s)",
