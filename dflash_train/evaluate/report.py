@@ -131,7 +131,7 @@ class EvalReport:
         """Strict JSON: an undefined rate (0/0, e.g. conditional@k after no acceptance) is ``null``."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_nan_to_none(self.to_dict()), indent=2, allow_nan=False))
+        path.write_text(json.dumps(nan_to_none(self.to_dict()), indent=2, allow_nan=False))
         return path
 
     @classmethod
@@ -250,13 +250,14 @@ class EvalReport:
         return path
 
 
-def _nan_to_none(value):
+def nan_to_none(value):
+    """``value`` with every NaN (an undefined rate) replaced by ``None``: what strict JSON can hold."""
     if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, dict):
-        return {k: _nan_to_none(v) for k, v in value.items()}
+        return {k: nan_to_none(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_nan_to_none(v) for v in value]
+        return [nan_to_none(v) for v in value]
     return value
 
 

@@ -47,11 +47,21 @@ CPU_ENGINE_ARGS = dict(
 
 @dataclass
 class Request:
-    """One prompt: its id, the rendered chat prompt (one audio placeholder per audio) and the audio."""
+    """One prompt: its id, the rendered chat prompt (one audio placeholder per audio) and the audio.
+
+    ``index`` is the record's place in its input, ``reference`` the reply the record holds
+    (the transcript WER is scored against).
+    """
 
     id: str
     prompt: str
     audios: list[np.ndarray]
+    index: int = 0
+    reference: str = ""
+
+    def engine_input(self) -> dict:
+        """The prompt as vLLM's ``generate`` / ``add_request`` take it."""
+        return {"prompt": self.prompt, "multi_modal_data": {"audio": [(a, SAMPLE_RATE) for a in self.audios]}}
 
 
 @dataclass
@@ -65,6 +75,54 @@ class ServingRun:
 
 
 
+def read_serving_requests(
+    inp,
+    tokenizer,
+    limit: Optional[int] = None,
+    prompt_format: str = "qwen",
+    system_prompt: Optional[str] = None,
+    sample_ids: Optional[set[str]] = None,
+) -> list:
+    """Serving prompts of an input (an :class:`~dflash_train.config.schema.InputConfig`), built like training samples.
+
+    Returns, in file order, a :class:`Request` per usable record and a
+    :class:`~dflash_train.evaluate.requests.RequestFailure` (id and error) per record that
+    could not become one (unreadable audio, malformed record): the same ids ``dflash-eval``
+    gives. ``limit`` keeps the first N records, ``sample_ids`` only the named ones.
+    The conversation comes from the data pipeline (system prompt, context, audio turn); every
+    turn before the reply is rendered with the tokenizer's chat template plus its generation
+    prompt, which is what ``vllm serve``'s chat endpoint does.
+    """
+    from dflash_train.data.inputs import open_input
+    from dflash_train.data.prompt import build_prompt_format
+    from dflash_train.evaluate.requests import RequestFailure, last_reply, record_id
+    from dflash_train.target.vllm_export import AUDIO_LOCATOR_TAG
+
+    source = open_input(inp, system_prompt, SAMPLE_RATE)
+    chat = build_prompt_format(prompt_format, tokenizer, AUDIO_LOCATOR_TAG)
+    out = []
+    for index, record in enumerate(source.records):
+        if limit is not None and index >= limit:
+            break
+        rid = record_id(inp, record)
+        if sample_ids is not None and rid not in sample_ids:
+            continue
+        try:
+            conversation = source.convert(record)
+            audios = [cut.load_audio()[0].astype(np.float32) for cut in conversation.audio_cuts]
+        except Exception as err:  # one record's failure (unreadable audio, malformed) is recorded by id
+            out.append(RequestFailure(index, rid, f"{type(err).__name__}: {err}"))
+            continue
+        messages = chat.messages(conversation)
+        while messages and messages[-1].role == "assistant":
+            messages.pop()
+        prompt = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages], tokenize=False, add_generation_prompt=True
+        )
+        out.append(Request(conversation.id, prompt, audios, index, last_reply(conversation)))
+    return out
+
+
 def validation_requests(
     cuts_path: str | Path,
     tokenizer,
@@ -72,34 +130,15 @@ def validation_requests(
     prompt_format: str = "qwen",
     system_prompt: Optional[str] = None,
 ) -> list[Request]:
-    """The first ``limit`` samples of a lhotse cut set as serving prompts, built like training samples.
-
-    The conversation comes from the data pipeline (system prompt, context, audio turn); every
-    turn before the reply is rendered with the tokenizer's chat template plus its generation
-    prompt, which is what ``vllm serve``'s chat endpoint does.
-    """
+    """The first ``limit`` samples of a lhotse cut set as serving prompts; a record that fails is an error."""
     from dflash_train.config.schema import InputConfig
-    from dflash_train.data.inputs import open_input
-    from dflash_train.data.prompt import build_prompt_format
-    from dflash_train.target.vllm_export import AUDIO_LOCATOR_TAG
+    from dflash_train.evaluate.requests import RequestFailure
 
-    source = open_input(
-        InputConfig(type="lhotse_as_conversation", cuts_path=str(cuts_path)), system_prompt, SAMPLE_RATE
-    )
-    chat = build_prompt_format(prompt_format, tokenizer, AUDIO_LOCATOR_TAG)
-    requests = []
-    for record in source.records:
-        if len(requests) == limit:
-            break
-        conversation = source.convert(record)
-        messages = chat.messages(conversation)
-        while messages and messages[-1].role == "assistant":
-            messages.pop()
-        prompt = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], tokenize=False, add_generation_prompt=True
-        )
-        audios = [cut.load_audio()[0].astype(np.float32) for cut in conversation.audio_cuts]
-        requests.append(Request(conversation.id, prompt, audios))
+    inp = InputConfig(type="lhotse_as_conversation", cuts_path=str(cuts_path))
+    requests = read_serving_requests(inp, tokenizer, limit, prompt_format, system_prompt)
+    failed = [r for r in requests if isinstance(r, RequestFailure)]
+    if failed:
+        raise ValueError(f"'{cuts_path}' sample {failed[0].id} cannot be served: {failed[0].error}")
     if not requests:
         raise ValueError(f"'{cuts_path}' holds no usable sample")
     return requests
@@ -140,14 +179,10 @@ def serve(
     llm = LLM(model=str(target), **args)
     try:
         before = SpecDecodeSnapshot.from_metrics(llm.get_metrics()) if speculative is not None else None
-        prompts = [
-            {"prompt": r.prompt, "multi_modal_data": {"audio": [(a, SAMPLE_RATE) for a in r.audios]}}
-            for r in requests
-        ]
-        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+        outputs = llm.generate([r.engine_input() for r in requests], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
         after = SpecDecodeSnapshot.from_metrics(llm.get_metrics()) if before is not None else None
     finally:
-        _shutdown(llm)
+        shutdown_engine(llm)
     return ServingRun(
         token_ids=[list(o.outputs[0].token_ids) if o.outputs else [] for o in outputs],
         finish_reasons=[o.outputs[0].finish_reason if o.outputs else None for o in outputs],
@@ -155,7 +190,7 @@ def serve(
     )
 
 
-def _shutdown(llm) -> None:
+def shutdown_engine(llm) -> None:
     """Stop an in-process engine and release its distributed state so another can start."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 

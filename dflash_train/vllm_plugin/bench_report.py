@@ -1,0 +1,400 @@
+"""The serving benchmark's report: measured requests in, throughput, latency and acceptance out.
+
+``dflash-serve-bench`` (:mod:`dflash_train.vllm_plugin.bench`) serves the same requests
+with the target alone and with each draft, at each concurrency, ``repeats`` times. This
+module holds what it measured, request by request, and derives every aggregate from those
+records (nothing aggregate is stored), as JSON, a Markdown table and a PNG. vLLM-free.
+
+Scoping: warm-up requests are never recorded. A request that failed (rejected by the
+engine, or finished without ``stop``/``length``) contributes to no latency, token count,
+acceptance counter, equality check or WER. Acceptance is pooled from vLLM's per-request
+spec-decode metrics of the completed requests, so a failed request's partial rounds are
+excluded exactly; the engine-wide counters over the same phase are kept as a cross-check.
+Throughput divides completed requests' tokens by the phase's wall time, which includes
+whatever time failed requests took: with any failure it is marked provisional.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from dflash_train.evaluate.counters import COUNTER_DEFINITIONS, AcceptanceCounters
+from dflash_train.evaluate.report import nan_to_none
+from dflash_train.evaluate.requests import RequestFailure
+from dflash_train.evaluate.wer import NORMALIZER, corpus_wer
+
+TARGET_ONLY = "target_only"
+COMPLETED = ("stop", "length")
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class ServedRequest:
+    """One measured request: output, finish reason, timings (seconds from its submission) and rounds."""
+
+    id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: Optional[str]
+    latency: float  # submission to last token
+    ttft: float  # submission to first token (NaN if none came)
+    accepted_per_round: Optional[list[int]] = None  # vLLM's per-request spec-decode metrics (detailed)
+    drafted_per_round: Optional[list[int]] = None
+
+    @property
+    def completed(self) -> bool:
+        return self.finish_reason in COMPLETED
+
+    @property
+    def tpot(self) -> float:
+        """Time per output token after the first: ``(latency - ttft) / (tokens - 1)`` (NaN for one token)."""
+        n = len(self.token_ids)
+        return (self.latency - self.ttft) / (n - 1) if n > 1 else float("nan")
+
+
+@dataclass
+class Phase:
+    """All requests served once by one configuration's engine at one concurrency (one repeat)."""
+
+    config: str
+    concurrency: int
+    repeat: int
+    seconds: float  # first submission to last finish
+    requests: list[ServedRequest]
+    rejected: list[RequestFailure] = field(default_factory=list)  # refused by the engine when submitted
+    engine_counters: Optional[dict] = None  # vLLM's engine-wide spec-decode counter deltas over the phase
+
+    def completed(self) -> list[ServedRequest]:
+        return [r for r in self.requests if r.completed]
+
+    def failed_ids(self) -> list[str]:
+        return [f.id for f in self.rejected] + [r.id for r in self.requests if not r.completed]
+
+
+@dataclass
+class ServedConfig:
+    """One way of serving: the target alone, or with a draft (method, export, K)."""
+
+    name: str
+    method: Optional[str] = None  # None (target only), "dflash", "mtp"
+    export: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
+    training_step: Optional[int] = None
+    unservable: Optional[str] = None  # why the installed vLLM could not start this configuration
+
+
+@dataclass
+class Summary:
+    """The aggregates of one configuration at one concurrency (see :meth:`ServeBenchReport.summary`)."""
+
+    config: str
+    concurrency: int
+    evaluated: int
+    failed_ids: list[str]
+    truncated: int
+    output_tokens_per_s: float
+    requests_per_s: float
+    throughput_per_repeat: list[float]
+    latency: dict[str, float]
+    ttft: dict[str, float]
+    tpot: dict[str, float]
+    acceptance: Optional[dict]
+    engine_counters_match: Optional[bool]
+    greedy_equal: Optional[str]  # "n/m" requests equal to target-only at the same concurrency
+    mismatched_ids: list[str]
+    wer: dict
+    speedup: Optional[float]
+    speedup_per_repeat: list[float]
+    provisional: bool
+
+
+@dataclass
+class ServeBenchReport:
+    """Settings, selected requests (references and data failures), configurations and measured phases."""
+
+    settings: dict
+    references: dict[str, str]  # request id -> reference reply, every request served
+    data_failures: list[RequestFailure]
+    configs: list[ServedConfig]
+    phases: list[Phase]
+
+    @property
+    def expected(self) -> int:
+        return len(self.references) + len(self.data_failures)
+
+    @property
+    def concurrencies(self) -> list[int]:
+        return list(self.settings["concurrency"])
+
+    def config(self, name: str) -> ServedConfig:
+        return next(c for c in self.configs if c.name == name)
+
+    def served(self) -> list[ServedConfig]:
+        return [c for c in self.configs if c.unservable is None]
+
+    def phases_of(self, config: str, concurrency: int) -> list[Phase]:
+        return sorted(
+            (p for p in self.phases if p.config == config and p.concurrency == concurrency), key=lambda p: p.repeat
+        )
+
+    def counters(self, config: str, concurrency: int) -> Optional[AcceptanceCounters]:
+        """Acceptance pooled over the completed requests of the first repeat (greedy: every repeat is equal)."""
+        spec = self.config(config)
+        phases = self.phases_of(config, concurrency)
+        if spec.num_speculative_tokens is None or not phases:
+            return None
+        counters = AcceptanceCounters(spec.num_speculative_tokens)
+        for request in phases[0].completed():
+            for drafted, accepted in zip(request.drafted_per_round or [], request.accepted_per_round or []):
+                counters.observe(drafted, accepted)
+        return counters
+
+    def summary(self, config: str, concurrency: int) -> Summary:
+        """Throughput (median over repeats), latency percentiles (every repeat's completed requests),
+        acceptance, greedy equality and WER (first repeat), speed-up over target-only."""
+        phases = self.phases_of(config, concurrency)
+        if not phases:
+            raise KeyError(f"no measurement of {config} at concurrency {concurrency}")
+        first = phases[0]
+        completed = [r for p in phases for r in p.completed()]
+        failed = sorted({rid for p in phases for rid in p.failed_ids()})
+        tps = [sum(len(r.token_ids) for r in p.completed()) / p.seconds for p in phases]
+        rps = [len(p.completed()) / p.seconds for p in phases]
+        counters = self.counters(config, concurrency)
+        engine_match = None
+        if counters is not None and first.engine_counters is not None:
+            engine_match = (first.engine_counters["rounds"], first.engine_counters["accepted"]) == (
+                counters.rounds,
+                counters.accepted,
+            )
+        greedy, mismatched = None, []
+        if config != TARGET_ONLY and self.phases_of(TARGET_ONLY, concurrency):
+            reference = {r.id: r.token_ids for r in self.phases_of(TARGET_ONLY, concurrency)[0].completed()}
+            both = [r for r in first.completed() if r.id in reference]
+            mismatched = [r.id for r in both if r.token_ids != reference[r.id]]
+            greedy = f"{len(both) - len(mismatched)}/{len(both)}"
+        speedup, per_repeat = None, []
+        baseline = self.phases_of(TARGET_ONLY, concurrency)
+        if config != TARGET_ONLY and baseline:
+            base = [sum(len(r.token_ids) for r in p.completed()) / p.seconds for p in baseline]
+            speedup = _ratio(statistics.median(tps), statistics.median(base))
+            per_repeat = [_ratio(a, b) for a, b in zip(tps, base)]
+        wer = corpus_wer(
+            [r.id for r in first.completed()],
+            [r.text for r in first.completed()],
+            [self.references.get(r.id, "") for r in first.completed()],
+        )
+        return Summary(
+            config=config,
+            concurrency=concurrency,
+            evaluated=len(first.completed()),
+            failed_ids=failed,
+            truncated=sum(r.finish_reason == "length" for r in first.completed()),
+            output_tokens_per_s=statistics.median(tps),
+            requests_per_s=statistics.median(rps),
+            throughput_per_repeat=tps,
+            latency=_percentiles([r.latency for r in completed]),
+            ttft=_percentiles([r.ttft for r in completed]),
+            tpot=_percentiles([r.tpot for r in completed if not math.isnan(r.tpot)]),
+            acceptance=counters.to_dict() if counters is not None else None,
+            engine_counters_match=engine_match,
+            greedy_equal=greedy,
+            mismatched_ids=mismatched,
+            wer=wer.to_dict(),
+            speedup=speedup,
+            speedup_per_repeat=per_repeat,
+            provisional=bool(failed or self.data_failures) or engine_match is False,
+        )
+
+    def summaries(self) -> list[Summary]:
+        return [self.summary(c.name, n) for c in self.served() for n in self.concurrencies if self.phases_of(c.name, n)]
+
+    @property
+    def provisional(self) -> bool:
+        return any(s.provisional for s in self.summaries())
+
+    # ------------------------------------------------------------------ output
+    def to_dict(self) -> dict:
+        """The JSON document: settings, per configuration x concurrency aggregates, then every request."""
+        return {
+            "tool": "dflash-serve-bench",
+            "provisional": self.provisional,
+            "settings": self.settings,
+            "counter_definitions": COUNTER_DEFINITIONS,
+            "samples_expected": self.expected,
+            "data_failures": [asdict(f) for f in self.data_failures],
+            "configs": [asdict(c) for c in self.configs],
+            "summaries": [asdict(s) for s in self.summaries()],
+            "references": self.references,
+            "phases": [asdict(p) for p in self.phases],
+        }
+
+    def write_json(self, path: str | Path) -> Path:
+        """Strict JSON (undefined numbers are ``null``), keys in a stable order, so two runs diff line by line."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(nan_to_none(self.to_dict()), indent=1, allow_nan=False))
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ServeBenchReport":
+        phases = [
+            Phase(
+                **{
+                    **p,
+                    "requests": [ServedRequest(**{**r, "ttft": _none_to_nan(r["ttft"])}) for r in p["requests"]],
+                    "rejected": [RequestFailure(**f) for f in p["rejected"]],
+                }
+            )
+            for p in data["phases"]
+        ]
+        return cls(
+            data["settings"],
+            data["references"],
+            [RequestFailure(**f) for f in data["data_failures"]],
+            [ServedConfig(**c) for c in data["configs"]],
+            phases,
+        )
+
+    @classmethod
+    def read_json(cls, path: str | Path) -> "ServeBenchReport":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def markdown(self) -> str:
+        """The deployment table: one row per configuration and concurrency, then notes and failures."""
+        s = self.settings
+        k_values = sorted({c.num_speculative_tokens for c in self.served() if c.num_speculative_tokens})
+        status = " — PROVISIONAL (failed requests excluded)" if self.provisional else ""
+        lines = [
+            f"# dflash-serve-bench{status}",
+            "",
+            f"Target `{s['target']}`, {len(self.references)} of {self.expected} requests from `{s['input']}`, "
+            f"greedy, max {s['max_tokens']} tokens, {s['dtype']} on {s['device']}, vLLM {s.get('vllm_version', '?')}, "
+            f"{s['repeats']} repeat(s) (configurations interleaved), {s['warmup']} warm-up request(s) per engine "
+            f"(not measured), engine `max_num_seqs` {s['max_num_seqs']}.",
+            "",
+            "| config | export step | K | concurrency | output tok/s | req/s | speed-up | latency p50 / p90 / p99 (s) "
+            "| TTFT p50 (s) | TPOT p50 (ms) | MAL | acceptance@1..K | greedy = target | WER | evaluated / expected "
+            "| failed | truncated |",
+            "|" + "---|" * 17,
+        ]
+        for summary in self.summaries():
+            config = self.config(summary.config)
+            acceptance = summary.acceptance
+            mal = f"{acceptance['mal']:.3f}" if acceptance and acceptance["rounds"] else "—"
+            per_position = (
+                " ".join(_fmt(p["acceptance"], "{:.2f}") for p in acceptance["per_position"]) if acceptance else "—"
+            )
+            mark = " (provisional)" if summary.provisional else ""
+            lines.append(
+                f"| {summary.config}{mark} | {_fmt(config.training_step, '{}')} | {_fmt(config.num_speculative_tokens, '{}')} "
+                f"| {summary.concurrency} | {summary.output_tokens_per_s:.1f} | {summary.requests_per_s:.2f} "
+                f"| {_fmt(summary.speedup, '{:.2f}x')} | "
+                + " / ".join(_fmt(summary.latency[f"p{q}"], "{:.3f}") for q in PERCENTILES)
+                + f" | {_fmt(summary.ttft['p50'], '{:.3f}')} | {_fmt(summary.tpot['p50'] * 1e3, '{:.1f}')} | {mal} "
+                f"| {per_position} | {summary.greedy_equal or '—'} | {_fmt(summary.wer['wer'] * 100, '{:.2f} %')} "
+                f"| {summary.evaluated} / {self.expected} | {len(summary.failed_ids)} | {summary.truncated} |"
+            )
+        notes = [f"- **{c.name}** not served: {c.unservable}" for c in self.configs if c.unservable]
+        for summary in self.summaries():
+            if summary.mismatched_ids:
+                notes.append(f"- {summary.config} at concurrency {summary.concurrency}: output differs from "
+                             f"target-only on {', '.join(summary.mismatched_ids)}")
+            if summary.engine_counters_match is False:
+                notes.append(f"- {summary.config} at concurrency {summary.concurrency}: vLLM's engine-wide counters "
+                             "include rounds of failed requests; MAL above is scoped to the completed ones")
+            if summary.failed_ids:
+                notes.append(f"- {summary.config} at concurrency {summary.concurrency}: failed {', '.join(summary.failed_ids)}")
+        notes += [f"- data failure {f.id} (#{f.index}): {f.error}" for f in self.data_failures]
+        if any(s.provisional for s in self.summaries()):
+            notes.append(f"- re-run the failed requests under the same settings: `{self.rerun_command()}`")
+        if notes:
+            lines += ["", *notes]
+        lines += [
+            "",
+            "Speed-up: median output tokens/s over repeats divided by target-only's at the same concurrency, "
+            "measured in this run; per repeat: "
+            + "; ".join(
+                f"{s.config}@{s.concurrency} " + ", ".join(f"{x:.2f}" for x in s.speedup_per_repeat)
+                for s in self.summaries() if s.speedup_per_repeat
+            ) + ".",
+            f"MAL and acceptance@k pooled over the completed requests' draft rounds (vLLM per-request "
+            f"spec-decode metrics; K={'/'.join(map(str, k_values)) or '—'}); acceptance@k = accepted@k / proposed@k. "
+            f"WER after {NORMALIZER}.",
+        ]
+        return "\n".join(lines) + "\n"
+
+    def rerun_command(self) -> str:
+        """The command that serves exactly the failed requests again under these settings (same ids)."""
+        failed = sorted({rid for s in self.summaries() for rid in s.failed_ids} | {f.id for f in self.data_failures})
+        return " ".join([*self.settings["command"], *[f"--sample-id {rid}" for rid in failed]])
+
+    def plot(self, path: str | Path) -> Path:
+        """PNG: acceptance per position (each draft, lowest concurrency) and the latency distribution of every row."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig, (acc, lat) = plt.subplots(1, 2, figsize=(13, 4.5))
+        lowest = min(self.concurrencies)
+        for config in self.served():
+            counters = self.counters(config.name, lowest)
+            if counters is None or not counters.rounds:
+                continue
+            ks = [p.k for p in counters.positions()]
+            line, = acc.plot(ks, [p.rate for p in counters.positions()], marker="o",
+                             label=f"{config.name} (MAL {counters.mal:.2f})")
+            acc.plot(ks, [p.conditional for p in counters.positions()], ls="--", color=line.get_color())
+        acc.set(title=f"acceptance@k (solid) and conditional (dashed), concurrency {lowest}",
+                xlabel="draft position k", ylabel="acceptance", ylim=(0, 1.05))
+        acc.grid(alpha=0.3)
+        if acc.lines:
+            acc.legend()
+        rows = [(s.config, s.concurrency) for s in self.summaries()]
+        data = [[r.latency for p in self.phases_of(c, n) for r in p.completed()] for c, n in rows]
+        lat.boxplot(data, whis=(1, 99), showfliers=True)
+        lat.set_xticks(range(1, len(rows) + 1), [f"{c}\n@{n}" for c, n in rows], fontsize=8)
+        lat.set(title="request latency (whiskers p1-p99)", ylabel="seconds")
+        lat.grid(alpha=0.3, axis="y")
+        note = " (PROVISIONAL)" if self.provisional else ""
+        fig.suptitle(f"dflash-serve-bench: {len(self.references)} requests, {self.settings['device']}{note}")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    """``p50``/``p90``/``p99`` and the mean (linear interpolation; NaN without values)."""
+    if not values:
+        return {**{f"p{q}": float("nan") for q in PERCENTILES}, "mean": float("nan")}
+    ordered = sorted(values)
+    out = {}
+    for q in PERCENTILES:
+        pos = (len(ordered) - 1) * q / 100
+        low, high = math.floor(pos), math.ceil(pos)
+        out[f"p{q}"] = ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    out["mean"] = statistics.fmean(ordered)
+    return out
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else float("nan")
+
+
+def _fmt(value, pattern: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return pattern.format(value)
+
+
+def _none_to_nan(value):
+    return float("nan") if value is None else value

@@ -1,0 +1,179 @@
+"""``dflash-serve-bench``'s report: what is scoped, what is provisional, how speed-up and percentiles are formed.
+
+The engine side runs in ``tests/vllm_serving/test_serve_bench.py``; here the report is fed
+measured requests written out by hand, so each aggregate can be checked against numbers
+worked out independently.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dflash_train.cli.serve_bench import main as serve_bench
+from dflash_train.evaluate.report import nan_to_none
+from dflash_train.evaluate.requests import RequestFailure
+from dflash_train.vllm_plugin.bench_report import (
+    TARGET_ONLY,
+    Phase,
+    ServeBenchReport,
+    ServedConfig,
+    ServedRequest,
+    _percentiles,
+)
+
+K = 3
+SETTINGS = {
+    "command": ["dflash-serve-bench", "--target", "T", "--draft", "D", "--cuts", "c.jsonl.gz", "--out", "o"],
+    "target": "T", "input": "c.jsonl.gz", "limit": None, "sample_ids": None, "max_tokens": 8, "concurrency": [1, 4],
+    "repeats": 2, "warmup": 1, "dtype": "bfloat16", "device": "cpu", "max_num_seqs": 4, "engine_args": {},
+}
+REFERENCES = {"a": "one two three", "b": "four five", "c": "six"}
+
+
+def _request(rid, tokens, latency, ttft=0.1, rounds=None, finish="stop", text=None):
+    accepted = rounds
+    return ServedRequest(rid, list(tokens), text if text is not None else REFERENCES[rid], finish, latency, ttft,
+                         accepted, [K] * len(accepted) if accepted is not None else None)
+
+
+def _phase(config, concurrency, repeat, seconds, requests, rejected=(), engine=None):
+    return Phase(config, concurrency, repeat, seconds, requests, list(rejected), engine)
+
+
+def _report(draft_b_tokens=(4, 5, 2), draft_b_finish="stop", engine_rounds=3, c_rejected=False):
+    """Target-only and one draft, concurrency 1 and 4, two repeats each."""
+    phases = []
+    for repeat in range(2):
+        for c, scale in ((1, 1.0), (4, 0.5)):
+            target = [_request("a", [1, 2, 3, 2], 1.0 * scale), _request("b", [4, 5, 2], 0.8 * scale),
+                      _request("c", [6, 2], 0.5 * scale)]
+            phases.append(_phase(TARGET_ONLY, c, repeat, 2.0 * scale * (1 + repeat), target))
+            draft = [
+                _request("a", [1, 2, 3, 2], 0.5 * scale, rounds=[2, 0]),  # 4 tokens: prefill 1 + (2+1) + ... rounds
+                _request("b", list(draft_b_tokens), 0.4 * scale, rounds=[1], finish=draft_b_finish),
+            ]
+            rejected = []
+            if c_rejected:
+                rejected.append(RequestFailure(2, "c", "ValueError: prompt too long"))
+            else:
+                draft.append(_request("c", [6, 2], 0.3 * scale, rounds=[0]))
+            engine = {"rounds": engine_rounds + (1 if not c_rejected else 0), "proposed": 0, "accepted": 3,
+                      "accepted_per_position": [2, 1, 0]}
+            draft_seconds = 1.0 if c == 1 else 0.25  # speed-up 2x at concurrency 1, 4x at 4
+            phases.append(_phase("dflash", c, repeat, draft_seconds * (1 + repeat), draft, rejected, engine))
+    configs = [ServedConfig(TARGET_ONLY), ServedConfig("dflash", "dflash", "/exp/d", K, 300),
+               ServedConfig("dflash2", "dflash", "/exp/d2", K, 200, unservable="ValidationError: V1 does not support")]
+    return ServeBenchReport(dict(SETTINGS), dict(REFERENCES), [], configs, phases)
+
+
+def test_acceptance_is_pooled_over_the_completed_requests_rounds():
+    report = _report()
+    counters = report.counters("dflash", 1)
+    # rounds: a [2, 0], b [1], c [0] -> 4 rounds, 3 accepted, accepted@1 = 2 (a's first, b's), accepted@2 = 1
+    assert (counters.rounds, counters.accepted, counters.accepted_per_position) == (4, 3, [2, 1, 0])
+    assert counters.mal == pytest.approx(1 + 3 / 4)
+    summary = report.summary("dflash", 1)
+    assert summary.engine_counters_match is True and not summary.provisional
+
+
+def test_a_failed_request_contributes_nothing_and_makes_the_row_provisional():
+    report = _report(draft_b_finish="abort", engine_rounds=3)
+    summary = report.summary("dflash", 1)
+    counters = report.counters("dflash", 1)
+    assert (counters.rounds, counters.accepted) == (3, 2)  # b's round excluded: a [2, 0] + c [0]
+    assert summary.evaluated == 2 and summary.failed_ids == ["b"]
+    # the engine-wide counters (4 rounds, 3 accepted) still hold b's partial round: flagged, row provisional
+    assert summary.engine_counters_match is False and summary.provisional
+    assert summary.greedy_equal == "2/2"  # compared only where both completed
+    assert "rounds of failed requests" in report.markdown() and "--sample-id b" in report.markdown()
+
+
+def test_a_rejected_request_is_failed_by_id_and_excluded():
+    report = _report(c_rejected=True)
+    summary = report.summary("dflash", 4)
+    assert summary.failed_ids == ["c"] and summary.evaluated == 2 and summary.provisional
+    assert report.counters("dflash", 4).rounds == 3
+    assert report.rerun_command().endswith("--out o --sample-id c")
+
+
+def test_throughput_is_the_median_over_repeats_and_speedup_their_ratio():
+    report = _report()
+    # concurrency 1: target 9 tokens in 2 s and 4 s; draft 9 tokens in 1 s and 2 s
+    target, draft = report.summary(TARGET_ONLY, 1), report.summary("dflash", 1)
+    assert target.throughput_per_repeat == pytest.approx([4.5, 2.25])
+    assert target.output_tokens_per_s == pytest.approx((4.5 + 2.25) / 2)
+    assert draft.speedup == pytest.approx(2.0) and draft.speedup_per_repeat == pytest.approx([2.0, 2.0])
+    assert draft.requests_per_s == pytest.approx((3 / 1 + 3 / 2) / 2)
+    assert report.summary("dflash", 4).speedup == pytest.approx(4.0)  # against target-only at concurrency 4
+
+
+def test_greedy_equality_and_wer_are_checked_against_target_only_at_the_same_concurrency():
+    report = _report(draft_b_tokens=(4, 9, 2))
+    summary = report.summary("dflash", 4)
+    assert summary.greedy_equal == "2/3" and summary.mismatched_ids == ["b"]
+    assert summary.wer["wer"] == 0.0  # the texts given are the references
+    assert "output differs from target-only on b" in report.markdown()
+
+
+def test_latency_percentiles_interpolate_between_ranks():
+    values = [float(v) for v in range(1, 101)]
+    p = _percentiles(values)
+    assert (p["p50"], p["p90"], p["p99"]) == pytest.approx((50.5, 90.1, 99.01))
+    assert all(math.isnan(v) for v in _percentiles([]).values())
+    # every completed request of every repeat: a, b, c latencies 1.0, 0.8, 0.5 twice
+    assert _report().summary(TARGET_ONLY, 1).latency["p50"] == pytest.approx(0.8)
+
+
+def test_time_per_output_token_excludes_the_first_token():
+    request = _request("a", [1, 2, 3, 4, 5], latency=1.3, ttft=0.5)
+    assert request.tpot == pytest.approx(0.8 / 4)
+    assert math.isnan(_request("c", [6], latency=0.2).tpot)
+
+
+def test_json_round_trip_gives_the_same_aggregates(tmp_path):
+    report = _report(draft_b_finish="abort")
+    path = report.write_json(tmp_path / "report.json")
+    again = ServeBenchReport.read_json(path)
+    assert nan_to_none(again.to_dict()["summaries"]) == json.loads(path.read_text())["summaries"] != []
+    assert again.summary("dflash", 1).failed_ids == ["b"] and math.isnan(again.phases[0].requests[0].tpot) is False
+
+
+def test_markdown_has_a_row_per_configuration_and_concurrency_and_names_the_unservable_one(tmp_path):
+    report = _report()
+    text = report.markdown()
+    rows = [line for line in text.splitlines() if line.startswith(("| target_only", "| dflash"))]
+    assert [row.split("|")[1].strip() + "@" + row.split("|")[4].strip() for row in rows] == [
+        "target_only@1", "target_only@4", "dflash@1", "dflash@4"]
+    assert "| 2.00x |" in rows[2]
+    assert "**dflash2** not served: ValidationError: V1 does not support" in text
+    assert report.plot(tmp_path / "report.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--concurrency", "1,x"], "--concurrency '1,x'"),
+        (["--concurrency", "0"], "--concurrency '0'"),
+        (["--engine-arg", "max_model_len"], "--engine-arg 'max_model_len': write KEY=VALUE"),
+        (["--repeats", "0"], "--repeats 0 must be >= 1"),
+        ([], "give --draft EXPORT"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors_before_any_engine_starts(argv, message, tmp_path, capsys, tiny_salm_dir,
+                                                                   demo_data):
+    code = serve_bench(["--target", str(tiny_salm_dir), "--cuts", str(demo_data[1]), "--out", str(tmp_path / "o"),
+                        *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_two_drafts_with_one_name_are_refused(tmp_path, capsys, tiny_salm_dir, demo_data):
+    export = tmp_path / "d"
+    export.mkdir()
+    (export / "config.json").write_text('{"architectures": ["DFlashDraftModel"], "dflash_config": {"block_size": 4}}')
+    code = serve_bench(["--target", str(tiny_salm_dir), "--cuts", str(demo_data[1]), "--out", str(tmp_path / "o"),
+                        "--draft", str(export), "--draft", str(export)])
+    assert code == 2 and "two configurations are named 'dflash'" in capsys.readouterr().err
