@@ -146,6 +146,7 @@ class VllmDFlash2Proposer:
         self.speculator.model.register_forward_hook(self._keep_hidden)
 
     def _keep_hidden(self, module, args, output) -> None:
+        """Forward hook: the draft's final hidden states of the last forward (one per query token)."""
         self._hidden = output
 
     def _slots(self, positions: torch.Tensor) -> torch.Tensor:

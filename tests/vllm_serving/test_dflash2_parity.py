@@ -133,6 +133,7 @@ class Agreement:
     first_mismatches: list[str] = field(default_factory=list)
 
     def add(self, where: str, reference: dict, served: dict) -> None:
+        """Count one round (``where`` names it in the mismatch list)."""
         self.rounds += 1
         self.max_hidden_diff = max(self.max_hidden_diff, float((reference["hidden"] - served["hidden"]).abs().max()))
         self.max_logit_diff = max(self.max_logit_diff, float((reference["logits"] - served["logits"]).abs().max()))
@@ -142,6 +143,7 @@ class Agreement:
             self.first_mismatches.append(f"{where}: reference {reference['proposals']}, vLLM {served['proposals']}")
 
     def format(self, title: str) -> str:
+        """One summary line."""
         return (f"{title}: {self.identical}/{self.rounds} rounds with identical proposals; max |diff| "
                 f"hidden {self.max_hidden_diff:.2e}, logits {self.max_logit_diff:.2e}")
 
