@@ -190,7 +190,7 @@ def _run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "device": device,
         "max_num_seqs": max(levels),
-        "engine_args": {k: v for k, v in plan.engine_args.items()},
+        "engine_args": dict(plan.engine_args),
         "vllm_version": vllm.__version__,
     }
     report = run_bench(plan, requests, failures, settings)

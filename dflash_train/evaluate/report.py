@@ -129,10 +129,7 @@ class EvalReport:
 
     def write_json(self, path: str | Path) -> Path:
         """Strict JSON: an undefined rate (0/0, e.g. conditional@k after no acceptance) is ``null``."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(nan_to_none(self.to_dict()), indent=2, allow_nan=False))
-        return path
+        return write_strict_json(path, self.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict) -> "EvalReport":
@@ -248,6 +245,14 @@ class EvalReport:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+def write_strict_json(path: str | Path, document: dict) -> Path:
+    """Write ``document`` as strict, indented JSON (NaN as ``null``), creating the parent directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(nan_to_none(document), indent=2, allow_nan=False))
+    return path
 
 
 def nan_to_none(value):

@@ -147,7 +147,7 @@ def _serve_phase(llm, config: ServedConfig, requests: Sequence[Request], concurr
             break
         if not engine.has_unfinished_requests():
             now = time.perf_counter()
-            for request, submitted, first in in_flight.values():
+            for request, submitted, _ in in_flight.values():
                 served.append(ServedRequest(request.id, [], "", None, now - submitted, float("nan")))
             in_flight.clear()
             continue

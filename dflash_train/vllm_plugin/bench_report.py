@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from dflash_train.evaluate.counters import COUNTER_DEFINITIONS, AcceptanceCounters
-from dflash_train.evaluate.report import nan_to_none
+from dflash_train.evaluate.report import write_strict_json
 from dflash_train.evaluate.requests import RequestFailure
 from dflash_train.evaluate.wer import NORMALIZER, corpus_wer
 
@@ -236,10 +236,7 @@ class ServeBenchReport:
 
     def write_json(self, path: str | Path) -> Path:
         """Strict JSON (undefined numbers are ``null``), keys in a stable order, so two runs diff line by line."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(nan_to_none(self.to_dict()), indent=1, allow_nan=False))
-        return path
+        return write_strict_json(path, self.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict) -> "ServeBenchReport":
