@@ -27,7 +27,8 @@ def test_the_demo_ends_with_the_evaluation_table_and_writes_its_json_and_plot(de
     assert status == 0, out
     serve = next(line for line in out.splitlines() if line.startswith("serve: "))
     assert f'"method": "dflash", "model": "{run_dir.resolve() / "export"}"' in serve and str(run_dir / "target") in serve
-    table = out.split("=== the draft on the held-out validation set", 1)[1]
+    _, heading, table = out.partition("=== the draft on the held-out validation set")
+    assert heading, f"no evaluation after training:\n{out}"
     assert "dflash-eval --config-name demo --draft" in table.splitlines()[0]
     assert "4 of 4 samples evaluated, 0 failed; K=7" in table and "MAL (pooled)" in table
     assert "greedy-equal samples" in table and "WER target-only" in table
