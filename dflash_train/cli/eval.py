@@ -18,7 +18,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from dflash_train.cli.common import add_debug_argument, run_command
 from dflash_train.evaluate.arguments import (
@@ -31,6 +31,9 @@ from dflash_train.evaluate.arguments import (
     target_source,
 )
 from dflash_train.files import check_writable_file
+
+if TYPE_CHECKING:
+    from dflash_train.evaluate.report import EvalReport
 
 EXIT_MISMATCH, EXIT_USAGE, EXIT_FAILED_SAMPLES = 1, 2, 3
 
@@ -124,10 +127,16 @@ def _evaluate(args: argparse.Namespace) -> int:
         if getattr(args, flag):
             check_writable_file(getattr(args, flag), f"the --{flag} output")
     report, json_path = _run(args)
+    return publish(report, json_path, args.plot)
+
+
+def publish(report: EvalReport, json_path: Optional[Path], plot_path: Optional[str | Path] = None) -> int:
+    """Print ``report``'s table, write its JSON (``json_path``) and its plot (``plot_path``, default: the
+    JSON path with ``.png``), naming both; returns the exit status (see the module docstring)."""
     print(report.format_table())
     if json_path is not None:
         print(f"report: {report.write_json(json_path)}")
-    plot_path = args.plot or (json_path.with_suffix(".png") if json_path is not None else None)
+    plot_path = plot_path or (json_path.with_suffix(".png") if json_path is not None else None)
     if plot_path is not None:
         print(f"plot: {report.plot(plot_path)}")
     if any(report.mismatches(name) for name in report.draft_names):

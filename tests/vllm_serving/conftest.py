@@ -8,7 +8,7 @@ Inputs (``make test-vllm`` prepares them from the demo; each can be overridden b
 
 - ``DFLASH_VLLM_TARGET``: the served target (runs/demo/target, from ``dflash-export-target``);
 - ``DFLASH_VLLM_EXPORTS``: trained draft exports, ``:``-separated (runs/demo/export, the demo's
-  DFlash2 draft, and runs/demo-dflash/export, the same demo trained as DFlash); each is used
+  DFlash draft, and runs/demo-dflash2/export, the same demo trained as DFlash2); each is used
   for its variant. Without a trained DFlash export the trained-vs-untrained comparison is
   skipped with its reason, or fails under ``DFLASH_VLLM_REQUIRE_TRAINED=1``;
 - ``DFLASH_VLLM_MTP_EXPORT``: the demo's target with trained MTP heads (runs/demo-mtp/export,
@@ -84,7 +84,7 @@ def trained_exports() -> dict[str, Path]:
     from dflash_train.variants import variant_for_architecture
 
     found: dict[str, Path] = {}
-    for entry in os.environ.get("DFLASH_VLLM_EXPORTS", "runs/demo/export:runs/demo-dflash/export").split(":"):
+    for entry in os.environ.get("DFLASH_VLLM_EXPORTS", "runs/demo/export:runs/demo-dflash2/export").split(":"):
         export = _repo_path(entry)
         if (export / "config.json").exists():
             variant = variant_for_architecture(json.loads((export / "config.json").read_text())["architectures"][0])
