@@ -100,3 +100,18 @@ def test_a_request_the_engine_refuses_fails_alone_and_keeps_its_id(served_target
     assert summary.failed_ids == [too_long.id] and summary.evaluated == 2 and summary.provisional
     assert summary.engine_counters_match is True  # refused before scheduling: no partial rounds
     assert report.rerun_command().endswith(f"--sample-id {too_long.id}")
+
+
+def test_the_targets_own_mtp_heads_are_benchmarked_like_a_draft(trained_mtp_export, validation_cuts, tmp_path):
+    """The demo trained as MTP: its export is a target with heads; ``--mtp`` serves them beside target-only."""
+    code = serve_bench([
+        "--target", str(trained_mtp_export), "--mtp", "2", "--cuts", str(validation_cuts), "--limit", "2",
+        "--max-tokens", str(MAX_TOKENS), "--concurrency", "1,2", "--warmup", "0", "--dtype", "float32",
+        "--out", str(tmp_path),
+    ])
+    report = ServeBenchReport.read_json(tmp_path / "report.json")
+    assert code == 0 and report.config("mtp").unservable is None
+    for concurrency in (1, 2):
+        summary = report.summary("mtp", concurrency)
+        assert summary.greedy_equal == "2/2" and summary.engine_counters_match is True
+        assert report.counters("mtp", concurrency).rounds > 0
