@@ -18,7 +18,7 @@ from dflash_train.config.schema import DataConfig, DatasetConfig, InputConfig
 from dflash_train.data.module import SpeechDataModule
 from dflash_train.data.validate import check_data_rules, validate_data_config
 from dflash_train.errors import ConfigError
-from dflash_train.testing.demo_data import demo_sentences, write_demo_data
+from dflash_train.testing.demo_data import demo_sentences, is_demo_set, varied_sentences, write_demo_data
 
 TAG = "<|audio|>"
 
@@ -166,15 +166,29 @@ def test_demo_data_script_is_deterministic_real_16khz_speech(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "4 training cuts" in proc.stdout and "1 in" in proc.stdout
     first = _digest(out)
-    write_demo_data(out, count=5, val_count=1, jobs=1)
+    write_demo_data(out, count=5, val_count=1, jobs=1, sentences=varied_sentences(5))
     assert _digest(out) == first and len(first) == 7  # 5 wavs + 2 manifests, byte for byte
     train = list(CutSet.from_file(out / "train_cuts.jsonl.gz"))
     (val,) = CutSet.from_file(out / "val_cuts.jsonl.gz")
-    assert [c.supervisions[0].text for c in [val, *train]] == demo_sentences(5)
+    assert [c.supervisions[0].text for c in [val, *train]] == varied_sentences(5)
     for cut in train:
         info = sf.info(cut.recording.sources[0].source)
         assert info.samplerate == 16000 and info.channels == 1 and 1.0 < cut.duration < 6.0
     assert len({c.recording.num_samples for c in train}) == 4
+
+
+def test_make_demo_recognizes_its_own_speech_set_and_not_an_earlier_one(tmp_path):
+    from dflash_train.testing.demo_data import DEMO_COUNT, DEMO_VAL_COUNT, _write_jsonl_gz
+
+    def validation_texts(texts):
+        _write_jsonl_gz(tmp_path / "val_cuts.jsonl.gz", [{"supervisions": [{"text": t}]} for t in texts])
+
+    stride = DEMO_COUNT // DEMO_VAL_COUNT
+    validation_texts([varied_sentences(DEMO_COUNT)[i] for i in range(0, stride * DEMO_VAL_COUNT, stride)])
+    assert is_demo_set(tmp_path)
+    validation_texts([demo_sentences(320)[i] for i in range(0, 320, 10)])  # the split before this one
+    assert not is_demo_set(tmp_path)
+    assert not is_demo_set(tmp_path / "missing")
 
 
 def test_demo_sentences_are_distinct_and_bounded():

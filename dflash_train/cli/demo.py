@@ -31,14 +31,15 @@ EVAL_JSON = "eval.json"
 
 
 def prepare_data(run: RunConfig) -> None:
-    """Synthesize the demo speech set into :data:`DEMO_DATA` when the recipe reads a file of it that is missing."""
-    from dflash_train.testing.demo_data import write_demo_data
+    """Synthesize the demo speech set into :data:`DEMO_DATA` when the recipe reads a file of it that is missing,
+    or the set there is an earlier demo's (other sentences)."""
+    from dflash_train.testing.demo_data import is_demo_set, write_demo_set
 
     inputs = [*run.data.train_ds.input_cfg, *(run.data.validation_ds.input_cfg if run.data.validation_ds else [])]
     wanted = [Path(i.cuts_path) for i in inputs if i.cuts_path and Path(i.cuts_path).parent == DEMO_DATA]
-    if any(not path.exists() for path in wanted):
+    if wanted and (any(not path.exists() for path in wanted) or not is_demo_set(DEMO_DATA)):
         print(f"demo: synthesizing speech with espeak-ng into {DEMO_DATA}")
-        write_demo_data(DEMO_DATA)
+        write_demo_set(DEMO_DATA)
 
 
 def check_target_exists(pretrained_name: str) -> None:

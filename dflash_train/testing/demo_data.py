@@ -3,14 +3,15 @@
     python -m dflash_train.testing.demo_data --out demo_assets/data [--count 352] [--val-count 32]
 
 Writes ``<out>/wavs/*.wav`` (16 kHz mono), ``<out>/train_cuts.jsonl.gz`` and
-``<out>/val_cuts.jsonl.gz``. The sentences are generated here from fixed word lists; voice,
-speaking rate and prompt vary per utterance. The output is byte-for-byte deterministic for
-a given ``--out``, ``--count`` and ``--val-count``.
+``<out>/val_cuts.jsonl.gz``. The sentences are :func:`varied_sentences`, generated here from
+fixed word lists (the distribution the stored reference target, ``benchmarks/reference_target``,
+was trained to transcribe); voice, speaking rate and prompt vary per utterance. The output is
+byte-for-byte deterministic for a given ``--out``, ``--count`` and ``--val-count``.
 
-The default split (every 11th of 352 utterances to validation) holds out new combinations of a
-subject and a predicate that training has, each seen about 15 times: the predicate of
-:func:`demo_sentences` repeats every 20 sentences, so a validation stride sharing a factor with 20
-(e.g. every 10th of 320) would hold out only a few predicates, none of them ever trained on.
+The default split (every 11th of 352 utterances to validation) holds out sentences whose subject
+and predicate training has in other combinations. A stride sharing a factor with the 20
+predicates of :func:`demo_sentences` (e.g. every 10th of 320) would hold out only a few
+predicates, none of them ever trained on.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ TIMES = [
 CONTEXTS = [None, "Transcribe the audio.", "Write down what you hear.", "Repeat what the speaker says."]
 VOICES = ["en-us", "en-gb", "en-gb-scotland", "en-029", "en-us+f3", "en-gb-x-rp+m3"]
 WORDS_PER_MINUTE = [135, 150, 165, 180]
+DEMO_COUNT, DEMO_VAL_COUNT = 352, 32  # `make demo`'s speech set: 320 train / 32 validation utterances
 
 
 def demo_sentences(count: int) -> list[str]:
@@ -153,15 +155,32 @@ def write_demo_data(
     return train_path, val_path
 
 
+def write_demo_set(out: str | Path, jobs: int = 2) -> tuple[Path, Path]:
+    """``make demo``'s speech set (what ``python -m dflash_train.testing.demo_data --out OUT`` writes)."""
+    return write_demo_data(out, DEMO_COUNT, DEMO_VAL_COUNT, jobs, varied_sentences(DEMO_COUNT))
+
+
+def is_demo_set(out: str | Path) -> bool:
+    """Whether ``out`` holds :func:`write_demo_set`'s validation sentences; ``False`` for a set written by an
+    earlier demo with other sentences or split, or none."""
+    path = Path(out) / "val_cuts.jsonl.gz"
+    if not path.is_file():
+        return False
+    with gzip.open(path, "rt") as handle:
+        texts = [json.loads(line)["supervisions"][0]["text"] for line in handle if line.strip()]
+    sentences, stride = varied_sentences(DEMO_COUNT), DEMO_COUNT // DEMO_VAL_COUNT
+    return texts == [sentences[i] for i in range(0, stride * DEMO_VAL_COUNT, stride)]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: parse arguments, synthesize, print where the manifests are."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--count", type=int, default=352, help="utterances in total (at most 400)")
-    parser.add_argument("--val-count", type=int, default=32, help="utterances held out for validation")
+    parser.add_argument("--count", type=int, default=DEMO_COUNT, help="utterances in total (at most 4000)")
+    parser.add_argument("--val-count", type=int, default=DEMO_VAL_COUNT, help="utterances held out for validation")
     parser.add_argument("--jobs", type=int, default=2, help="parallel espeak-ng processes")
     args = parser.parse_args(argv)
-    train, val = write_demo_data(args.out, args.count, args.val_count, args.jobs)
+    train, val = write_demo_data(args.out, args.count, args.val_count, args.jobs, varied_sentences(args.count))
     print(f"demo data: {args.count - args.val_count} training cuts in {train}, {args.val_count} in {val}")
     return 0
 
