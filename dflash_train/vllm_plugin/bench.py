@@ -33,8 +33,7 @@ log = logging.getLogger(__name__)
 GPU_ENGINE_ARGS = dict(dtype="bfloat16", disable_log_stats=False, limit_mm_per_prompt={"audio": 1}, seed=0)
 # Every request is served once per concurrency level and repeat: without these, the second time
 # would reuse the first's prefill (prefix cache) and audio processing (multimodal processor cache),
-# which distinct user requests never can. (vLLM 0.32's processor cache also loses the audio of a
-# re-submitted request when requests are added one by one: "Modality 'audio' not found".)
+# which distinct user requests never can.
 FRESH_REQUESTS = dict(enable_prefix_caching=False, mm_processor_cache_gb=0)
 
 

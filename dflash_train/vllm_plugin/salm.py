@@ -35,7 +35,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.interfaces import SupportsEagle3
 from vllm.multimodal import MULTIMODAL_REGISTRY
 from vllm.multimodal.inputs import MultiModalKwargsItems
-from vllm.multimodal.parse import AudioProcessorItems, MultiModalDataItems
+from vllm.multimodal.parse import MultiModalDataItems
 from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 from vllm.tokenizers.registry import cached_tokenizer_from_config
 
@@ -82,13 +82,15 @@ class TokenIdAudioProcessor(NeMoSpeechLMMultiModalProcessor):
         hf_processor_mm_kwargs: Mapping[str, object],
         out_mm_kwargs: MultiModalKwargsItems,
     ) -> Sequence[PromptUpdate]:
-        audios = mm_items.get_items("audio", AudioProcessorItems)
+        # The packed audio lengths, not ``mm_items``: when vLLM's multimodal processor cache already
+        # holds an item (the same audio again, or the profiling run's dummy audio in a served
+        # engine), ``mm_items`` lacks it and only the cached processor outputs are given.
+        lengths = out_mm_kwargs.get_data().get("audio_signal_length")
         chunk_size_seconds = self.info._get_encoder_chunk_size_seconds()
         token_id = placeholder_token_id(self.info.get_tokenizer())
 
         def frames(item_idx: int) -> list[int]:
-            n_samples = audios.get(item_idx).shape[-1]
-            return [token_id] * self.info._estimate_audio_tokens(n_samples, chunk_size_seconds)
+            return [token_id] * self.info._estimate_audio_tokens(int(lengths[item_idx]), chunk_size_seconds)
 
         return [PromptReplacement(modality="audio", target=[token_id], replacement=frames)]
 

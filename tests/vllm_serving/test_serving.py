@@ -57,3 +57,10 @@ def test_dflash2_draft_on_vllm_cpu_fails_with_vllms_stated_limitation(served_tar
     with pytest.raises(Exception) as err:
         serve(served_target, serving_requests[:1], 8, draft=dflash2_export)
     assert DFLASH2_CPU_LIMITATION in str(err.value)
+
+
+def test_the_same_audio_again_is_served_from_vllms_processor_cache(served_target, serving_requests):
+    """A repeated audio hits vLLM's multimodal processor cache, which hands the plugin's processor only the
+    cached outputs (no raw audio): the placeholder must still expand to the same frames."""
+    run = serve(served_target, [serving_requests[0], serving_requests[0]], 8)
+    assert run.token_ids[0] == run.token_ids[1] and run.token_ids[0]
