@@ -7,6 +7,8 @@ import json
 
 from conftest import REPO_ROOT, compose
 
+from dflash_train.target.vllm_export import serve_command
+
 
 def test_the_demo_ends_with_the_evaluation_table_and_writes_its_json_and_plot(demo_data, tmp_path, monkeypatch, capsys):
     from dflash_train.cli.demo import main
@@ -27,6 +29,9 @@ def test_the_demo_ends_with_the_evaluation_table_and_writes_its_json_and_plot(de
     assert status == 0, out
     serve = next(line for line in out.splitlines() if line.startswith("serve: "))
     assert f'"method": "dflash", "model": "{run_dir.resolve() / "export"}"' in serve and str(run_dir / "target") in serve
+    cpu = next(line for line in out.splitlines() if line.startswith("serve on vLLM's CPU build: "))
+    target, export = run_dir.resolve() / "target", run_dir.resolve() / "export"
+    assert cpu.partition(": ")[2] == serve_command(target, export, 7, cpu=True)  # run as printed in test-vllm
     _, heading, table = out.partition("=== the draft on the held-out validation set")
     assert heading, f"no evaluation after training:\n{out}"
     assert "dflash-eval --config-name demo --draft" in table.splitlines()[0]

@@ -38,8 +38,10 @@ class DraftFamily(Protocol):
         """Write the serving export into ``staging`` (renamed to ``location`` afterwards), reload it strictly and
         compare it with ``state``; returns the tensor count."""
 
-    def serve_command(self, export_dir: Path, serve_target: Optional[str], num_speculative_tokens: int) -> str:
-        """The ``vllm serve`` line for the export (``serve_target``: the vLLM-ready target, if one was written)."""
+    def serve_command(self, export_dir: Path, serve_target: Optional[str], num_speculative_tokens: int,
+                      cpu: bool = False) -> str:
+        """The ``vllm serve`` line for the export (``serve_target``: the vLLM-ready target, if one was written;
+        ``cpu``: the line for vLLM's CPU build)."""
 
     def serving_copy(self, draft: nn.Module, target, spec: DraftSpec, state: dict) -> nn.Module:
         """An unsharded copy of the draft holding ``state`` (its full state dict) in the form its export is
@@ -71,11 +73,11 @@ class BlockDrafts:
         write_export(staging, draft.config, state, training_info=training_info)
         return verify_export(staging, state)
 
-    def serve_command(self, export_dir, serve_target, num_speculative_tokens):
+    def serve_command(self, export_dir, serve_target, num_speculative_tokens, cpu=False):
         from dflash_train.target.vllm_export import serve_command
 
         target = serve_target or "<vLLM-ready target: dflash-export-target SALM_CKPT OUT>"
-        return serve_command(target, export_dir.resolve(), num_speculative_tokens)
+        return serve_command(target, export_dir.resolve(), num_speculative_tokens, cpu)
 
     def serving_copy(self, draft, target, spec, state):
         from dflash_train.draft.export import serving_draft
@@ -108,10 +110,10 @@ class MTPHeads:
         write_mtp_export(staging, source, draft, state, heads, location=location, training_info=training_info)
         return verify_mtp_export(staging, source, draft, state, heads)
 
-    def serve_command(self, export_dir, serve_target, num_speculative_tokens):
+    def serve_command(self, export_dir, serve_target, num_speculative_tokens, cpu=False):
         from dflash_train.target.vllm_export import mtp_serve_command
 
-        return mtp_serve_command(export_dir.resolve(), num_speculative_tokens)  # the export is the target
+        return mtp_serve_command(export_dir.resolve(), num_speculative_tokens, cpu)  # the export is the target
 
     def serving_copy(self, draft, target, spec, state):
         from dflash_train.files import load_state_exactly

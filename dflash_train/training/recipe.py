@@ -75,7 +75,10 @@ class TrainSummary:
             return lines
         variant = variant_named(run.dflash.variant)
         k = variant.speculative_tokens(run.dflash)
-        lines += [f"export: {self.export_dir}", "serve: " + family_of(variant).serve_command(self.export_dir, serve_target, k)]
+        family = family_of(variant)
+        lines += [f"export: {self.export_dir}", "serve: " + family.serve_command(self.export_dir, serve_target, k)]
+        if variant.serves_on_vllm_cpu:
+            lines.append("serve on vLLM's CPU build: " + family.serve_command(self.export_dir, serve_target, k, cpu=True))
         note = variant.serving_note
         if note:
             lines.append(f"note: {note}")

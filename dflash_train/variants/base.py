@@ -94,6 +94,8 @@ class DraftVariant:
     """Whether ``dflash.projection_only`` (train only the feature projection) applies."""
     serving_note: str = ""
     """What a user must know before serving this variant's export."""
+    serves_on_vllm_cpu: bool = True
+    """Whether vLLM's CPU build can serve the export (the end-of-run summary then prints its command too)."""
     family: str = "block"
     """How the draft is built, trained, exported and served: a key of
     :data:`dflash_train.draft.family.FAMILIES` (``block``: a DFlash-style draft of nemo_automodel's

@@ -34,6 +34,7 @@ class DFlash2(DFlash):
     architecture_aliases = ("Qwen3DFlash2DraftModel", "DFlashQwen3DFlash2DraftModel")
     export_config_keys = SHAPE_KEYS
     supports_projection_only = True
+    serves_on_vllm_cpu = False
     serving_note = (
         "vLLM serves DFlash2 drafts only with its V2 model runner (GPU, Triton); "
         "for vLLM's CPU build train a DFlash draft (dflash=dflash)"

@@ -27,18 +27,17 @@ import numpy as np
 
 from dflash_train.constants import SAMPLE_RATE
 from dflash_train.evaluate.counters import AcceptanceCounters
-from dflash_train.target.vllm_export import draft_speculative_tokens
+from dflash_train.target.vllm_export import CPU_SERVER_ARGS, draft_speculative_tokens
 from dflash_train.vllm_plugin.acceptance import ServingReport, SpecDecodeSnapshot, first_mismatches
 
 # vLLM-CPU: eager mode, bf16, an explicit KV-cache budget (no GPU memory to profile), stats on for
 # the spec-decode counters, one in-process worker, and room for the 40 s dummy audio NeMo's plugin
 # profiles with (~500 audio frames).
 CPU_ENGINE_ARGS = dict(
+    **CPU_SERVER_ARGS,
     enforce_eager=True,
     dtype="bfloat16",
-    kv_cache_memory_bytes=256 << 20,
     disable_log_stats=False,
-    max_model_len=1024,
     distributed_executor_backend="uni",
     limit_mm_per_prompt={"audio": 1},
     seed=0,
