@@ -159,6 +159,7 @@ def test_markdown_has_a_row_per_configuration_and_concurrency_and_names_the_unse
         (["--concurrency", "0"], "--concurrency '0'"),
         (["--engine-arg", "max_model_len"], "--engine-arg 'max_model_len': write KEY=VALUE"),
         (["--repeats", "0"], "--repeats 0 must be >= 1"),
+        (["--draft", "x", "-k", "0"], "--num-speculative-tokens 0 must be >= 1"),
         ([], "give --draft EXPORT"),
     ],
 )

@@ -110,6 +110,8 @@ def _drafts(args: argparse.Namespace):
     from dflash_train.variants import variant_for_architecture
     from dflash_train.vllm_plugin.bench_report import TARGET_ONLY, ServedConfig
 
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
+        raise UsageError(f"--num-speculative-tokens {args.num_speculative_tokens} must be >= 1")
     configs = []
     for item in args.draft:
         name, sep, path = item.rpartition("=")

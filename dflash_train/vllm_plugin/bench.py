@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from dflash_train.evaluate.requests import RequestFailure
@@ -64,7 +64,7 @@ def run_bench(plan: BenchPlan, requests: Sequence[Request], data_failures: Seque
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     params = SamplingParams(temperature=0.0, max_tokens=plan.max_tokens)
-    configs = [ServedConfig(**vars(c)) for c in plan.configs]
+    configs = [replace(c) for c in plan.configs]  # copies: a refusal is recorded on the report's, not the plan's
     phases: list[Phase] = []
     for repeat in range(plan.repeats):
         for config in configs if repeat % 2 == 0 else list(reversed(configs)):
