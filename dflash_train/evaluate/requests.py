@@ -85,6 +85,25 @@ def last_reply(conversation: Conversation) -> str:
     return [turn for turn in conversation.turns if turn.supervised][-1].text
 
 
+def selected_records(
+    inp: InputConfig,
+    source: Input,
+    limit: Optional[int] = None,
+    indices: Optional[set[int]] = None,
+    sample_ids: Optional[set[str]] = None,
+) -> Iterator[tuple[int, str, Any]]:
+    """``(index, sample id, record)`` for the selected records of ``source``, in file order: the first
+    ``limit`` records, of those only ``indices`` / ``sample_ids`` when given (the selection every
+    evaluation shares, so a re-run of failed ids reaches the same records)."""
+    for index, record in enumerate(source.records):
+        if limit is not None and index >= limit:
+            return
+        rid = record_id(inp, record)
+        if (indices is not None and index not in indices) or (sample_ids is not None and rid not in sample_ids):
+            continue
+        yield index, rid, record
+
+
 def read_requests(
     inp: InputConfig,
     prompt_format: ChatMLFormat,
@@ -102,12 +121,7 @@ def read_requests(
     """
     source = source or open_input(inp, system_prompt, estimator.sampling_rate)
     prepare = Preparer(prompt_format, estimator, Filters())
-    for index, record in enumerate(source.records):
-        if limit is not None and index >= limit:
-            return
-        rid = record_id(inp, record)
-        if (indices is not None and index not in indices) or (sample_ids is not None and rid not in sample_ids):
-            continue
+    for index, rid, record in selected_records(inp, source, limit, indices, sample_ids):
         try:
             conversation = source.convert(record)
             prompt = generation_prompt(prepare(conversation))

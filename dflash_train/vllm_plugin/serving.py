@@ -94,18 +94,13 @@ def read_serving_requests(
     """
     from dflash_train.data.inputs import open_input
     from dflash_train.data.prompt import build_prompt_format
-    from dflash_train.evaluate.requests import RequestFailure, last_reply, record_id
+    from dflash_train.evaluate.requests import RequestFailure, last_reply, selected_records
     from dflash_train.target.vllm_export import AUDIO_LOCATOR_TAG
 
     source = open_input(inp, system_prompt, SAMPLE_RATE)
     chat = build_prompt_format(prompt_format, tokenizer, AUDIO_LOCATOR_TAG)
     out = []
-    for index, record in enumerate(source.records):
-        if limit is not None and index >= limit:
-            break
-        rid = record_id(inp, record)
-        if sample_ids is not None and rid not in sample_ids:
-            continue
+    for index, rid, record in selected_records(inp, source, limit, sample_ids=sample_ids):
         try:
             conversation = source.convert(record)
             audios = [cut.load_audio()[0].astype(np.float32) for cut in conversation.audio_cuts]
@@ -178,7 +173,8 @@ def serve(
     llm = LLM(model=str(target), **args)
     try:
         before = SpecDecodeSnapshot.from_metrics(llm.get_metrics()) if speculative is not None else None
-        outputs = llm.generate([r.engine_input() for r in requests], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        outputs = llm.generate([r.engine_input() for r in requests], params, use_tqdm=False)
         after = SpecDecodeSnapshot.from_metrics(llm.get_metrics()) if before is not None else None
     finally:
         shutdown_engine(llm)
