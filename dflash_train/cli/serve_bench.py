@@ -196,10 +196,10 @@ def _run(args: argparse.Namespace) -> int:
         "vllm_version": vllm.__version__,
     }
     report = run_bench(plan, requests, failures, settings)
-    paths = [report.write_json(out / "report.json"), out / "report.md", report.plot(out / "report.png")]
-    paths[1].write_text(report.markdown())
-    print(report.markdown())
-    for path in paths:
+    table = report.markdown()
+    (out / "report.md").write_text(table)
+    print(table)
+    for path in (report.write_json(out / "report.json"), out / "report.md", report.plot(out / "report.png")):
         print(f"wrote {path}")
     if not report.served()[1:]:
         print("dflash-serve-bench: no draft could be served by the installed vLLM (reasons above)", file=sys.stderr)

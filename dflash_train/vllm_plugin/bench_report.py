@@ -67,7 +67,7 @@ class Phase:
     seconds: float  # first submission to last finish
     requests: list[ServedRequest]
     rejected: list[RequestFailure] = field(default_factory=list)  # refused by the engine when submitted
-    engine_counters: Optional[dict] = None  # vLLM's engine-wide spec-decode counter deltas over the phase
+    engine_counters: Optional[dict] = None  # vLLM's engine-wide counter deltas over the phase (AcceptanceCounters fields)
 
     def completed(self) -> list[ServedRequest]:
         return [r for r in self.requests if r.completed]
@@ -221,15 +221,16 @@ class ServeBenchReport:
     # ------------------------------------------------------------------ output
     def to_dict(self) -> dict:
         """The JSON document: settings, per configuration x concurrency aggregates, then every request."""
+        rows = self.summaries()
         return {
             "tool": "dflash-serve-bench",
-            "provisional": self.provisional,
+            "provisional": any(s.provisional for s in rows),
             "settings": self.settings,
             "counter_definitions": COUNTER_DEFINITIONS,
             "samples_expected": self.expected,
             "data_failures": [asdict(f) for f in self.data_failures],
             "configs": [asdict(c) for c in self.configs],
-            "summaries": [asdict(s) for s in self.summaries()],
+            "summaries": [asdict(s) for s in rows],
             "references": self.references,
             "phases": [asdict(p) for p in self.phases],
         }
@@ -266,7 +267,9 @@ class ServeBenchReport:
         """The deployment table: one row per configuration and concurrency, then notes and failures."""
         s = self.settings
         k_values = sorted({c.num_speculative_tokens for c in self.served() if c.num_speculative_tokens})
-        status = " — PROVISIONAL (failed requests excluded)" if self.provisional else ""
+        rows = self.summaries()
+        provisional = any(summary.provisional for summary in rows)
+        status = " — PROVISIONAL (failed requests excluded)" if provisional else ""
         lines = [
             f"# dflash-serve-bench{status}",
             "",
@@ -280,7 +283,7 @@ class ServeBenchReport:
             "| failed | truncated |",
             "|" + "---|" * 17,
         ]
-        for summary in self.summaries():
+        for summary in rows:
             config = self.config(summary.config)
             acceptance = summary.acceptance
             mal = f"{acceptance['mal']:.3f}" if acceptance and acceptance["rounds"] else "—"
@@ -298,7 +301,7 @@ class ServeBenchReport:
                 f"| {summary.evaluated} / {self.expected} | {len(summary.failed_ids)} | {summary.truncated} |"
             )
         notes = [f"- **{c.name}** not served: {c.unservable}" for c in self.configs if c.unservable]
-        for summary in self.summaries():
+        for summary in rows:
             if summary.mismatched_ids:
                 notes.append(f"- {summary.config} at concurrency {summary.concurrency}: output differs from "
                              f"target-only on {', '.join(summary.mismatched_ids)}")
@@ -308,8 +311,8 @@ class ServeBenchReport:
             if summary.failed_ids:
                 notes.append(f"- {summary.config} at concurrency {summary.concurrency}: failed {', '.join(summary.failed_ids)}")
         notes += [f"- data failure {f.id} (#{f.index}): {f.error}" for f in self.data_failures]
-        if any(s.provisional for s in self.summaries()):
-            notes.append(f"- re-run the failed requests under the same settings: `{self.rerun_command()}`")
+        if provisional:
+            notes.append(f"- re-run the failed requests under the same settings: `{self.rerun_command(rows)}`")
         if notes:
             lines += ["", *notes]
         lines += [
@@ -318,7 +321,7 @@ class ServeBenchReport:
             "measured in this run; per repeat: "
             + "; ".join(
                 f"{s.config}@{s.concurrency} " + ", ".join(f"{x:.2f}" for x in s.speedup_per_repeat)
-                for s in self.summaries() if s.speedup_per_repeat
+                for s in rows if s.speedup_per_repeat
             ) + ".",
             f"MAL and acceptance@k pooled over the completed requests' draft rounds (vLLM per-request "
             f"spec-decode metrics; K={'/'.join(map(str, k_values)) or '—'}); acceptance@k = accepted@k / proposed@k. "
@@ -326,9 +329,11 @@ class ServeBenchReport:
         ]
         return "\n".join(lines) + "\n"
 
-    def rerun_command(self) -> str:
-        """The command that serves exactly the failed requests again under these settings (same ids)."""
-        failed = sorted({rid for s in self.summaries() for rid in s.failed_ids} | {f.id for f in self.data_failures})
+    def rerun_command(self, rows: Optional[list[Summary]] = None) -> str:
+        """The command that serves exactly the failed requests again under these settings (same ids);
+        ``rows``: :meth:`summaries` when the caller has them already."""
+        rows = self.summaries() if rows is None else rows
+        failed = sorted({rid for s in rows for rid in s.failed_ids} | {f.id for f in self.data_failures})
         return " ".join([*self.settings["command"], *[f"--sample-id {rid}" for rid in failed]])
 
     def plot(self, path: str | Path) -> Path:
