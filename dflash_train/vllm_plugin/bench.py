@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Optional, Sequence
 
 from dflash_train.evaluate.requests import RequestFailure
@@ -164,11 +164,7 @@ def _serve_phase(llm, config: ServedConfig, requests: Sequence[Request], concurr
                                       (first - submitted) if first is not None else float("nan")))
     seconds = time.perf_counter() - start
     after = _snapshot(llm) if before is not None else None
-    counters = None
-    if before is not None and after is not None:
-        delta = (after - before).counters()
-        counters = {"rounds": delta.rounds, "proposed": delta.proposed, "accepted": delta.accepted,
-                    "accepted_per_position": delta.accepted_per_position}
+    counters = asdict((after - before).counters()) if before is not None and after is not None else None
     order = {r.id: i for i, r in enumerate(requests)}
     served.sort(key=lambda r: order[r.id])
     return Phase(config.name, concurrency, repeat, seconds, served, rejected, counters)
