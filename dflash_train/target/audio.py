@@ -22,6 +22,20 @@ class AudioLLM(FrozenLLM):
 
     perception_dtype: torch.dtype | None = None
 
+    def freeze(self) -> None:
+        """Frozen (:meth:`FrozenLLM.freeze`), and the perception runs no collective of its own.
+
+        NeMo's encoders all-reduce the longest audio of every forward across ranks
+        (``sync_max_audio_length``) only to pre-size a positional buffer, a collective per encode:
+        ranks that encode different numbers of times (serving validation's own records, a
+        text-only batch, a rank whose records all failed) would fall out of step and hang or abort
+        the job. A frozen encoder grows its buffer locally instead; its outputs are the same.
+        """
+        super().freeze()
+        for module in self.perception.modules():
+            if getattr(module, "sync_max_audio_length", False):
+                module.sync_max_audio_length = False
+
     def run_perception_in(self, dtype: torch.dtype) -> "AudioLLM":
         """Run the audio encoder and projection in ``dtype`` and round their output to it.
 
