@@ -52,7 +52,7 @@ def test_dflash2_selector_loss_and_candidate_recall_match_a_direct_computation(t
         logits = draft.compute_logits(seen["hidden"], tiny_target.lm_head).view(batch, blocks, BLOCK, -1)
     selector = draft.candidate_selector
     ids, mask, length = inputs.input_ids, inputs.loss_mask, inputs.input_ids.shape[1]
-    weighted_nll = weight_sum = supervised = recalled = 0.0
+    weighted_nll = weight_sum = supervised = recalled = ce_weight = 0.0
     for row in range(batch):
         for block in range(blocks):
             if not keep[row, block]:
@@ -63,6 +63,7 @@ def test_dflash2_selector_loss_and_candidate_recall_match_a_direct_computation(t
                 if position >= length or not mask[row, position]:
                     continue
                 supervised += 1
+                ce_weight += math.exp(-(k - 1) / cfg.loss_decay_gamma)
                 values, candidates = logits[row, block, k].topk(top_k)
                 truth = int(ids[row, position])
                 if truth not in candidates.tolist():
@@ -78,6 +79,10 @@ def test_dflash2_selector_loss_and_candidate_recall_match_a_direct_computation(t
     assert 0 < recalled < supervised, "the check needs positions both inside and outside the candidate lists"
     assert float(metrics.candidate_recall) == pytest.approx(recalled / supervised, rel=1e-6)
     assert float(metrics.selector_loss) == pytest.approx(weighted_nll / (weight_sum + 1e-6), rel=1e-4)
+    # the step loss pools the selector term over the CE's weights (a plain sum over ranks and micro-batches)
+    assert float(metrics.loss_weight) == pytest.approx(ce_weight, rel=1e-6)
+    pooled = float(metrics.base_loss) * ce_weight + cfg.selector_loss_weight * weighted_nll
+    assert float(metrics.loss) * ce_weight == pytest.approx(pooled, rel=1e-5)
     logged = spec.variant.step_metrics(metrics)
     assert logged["candidate_recall"] == float(metrics.candidate_recall)
     assert logged["selector_loss"] == float(metrics.selector_loss)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,7 +42,7 @@ class DFlash2(DFlash):
 
     def load_classes(self):
         dflash = automodel_speculative_dflash()
-        return dflash.Qwen3DFlash2DraftModel, dflash.DFlash2TrainerModule
+        return dflash.Qwen3DFlash2DraftModel, pooled_selector_core(dflash.DFlash2TrainerModule)
 
     def trainer_kwargs(self, cfg: DFlash2Config) -> dict:
         return {"selector_loss_weight": cfg.selector_loss_weight}
@@ -76,6 +76,57 @@ class DFlash2(DFlash):
         anchor = torch.tensor([bonus], dtype=torch.long, device=logits.device)
         path, _, _ = draft.candidate_selector.walk(hidden, logits, anchor, temperature=0.0)
         return path[0].tolist()
+
+
+def pooled_selector_core(core_cls: type) -> type:
+    """``core_cls`` (nemo_automodel's DFlash2 trainer core) with a selector term that sums exactly over
+    ranks and micro-batches.
+
+    The library's step loss is ``CE_w + λ · Σ w_sel·NLL / Σ w_sel``: the selector's NLL averaged over
+    this batch's own positions whose target is among the candidates. A mean of per-rank means depends
+    on how the data is split, so 2 ranks (or 2 accumulated micro-batches) would train unlike 1 process
+    on the concatenated batch. Here the step's ``loss`` is ``CE_w + λ · Σ w_sel·NLL / Σ w``, with Σ w
+    the block CE's own weights (``loss_weight``): ``loss · loss_weight`` is then a plain sum that the
+    training module pools like the CE, and the objective is the selector NLL per supervised position
+    (positions whose target the candidates miss add zero). ``selector_loss`` stays the library's mean
+    over candidate-covered positions (logged).
+    """
+
+    class PooledSelector(core_cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._selector_scored = False
+            self._selector_weight: torch.Tensor | None = None
+            self._block_ce: torch.Tensor | None = None
+            self.loss_fn.register_forward_hook(self._keep_block_ce)
+
+        def _keep_block_ce(self, module, args, output) -> None:
+            self._block_ce = output.total_loss  # the block CE's mean, still in the graph
+
+        def _selector_scores(self, hidden, logits, target_ids):
+            self._selector_scored = True
+            return super()._selector_scores(hidden, logits, target_ids)
+
+        def _depth_weights(self, mask):
+            weights = super()._depth_weights(mask)
+            if self._selector_scored:  # the library weighs the selector's mask right after scoring it
+                self._selector_scored = False
+                self._selector_weight = weights.sum().detach()
+            return weights
+
+        def forward(self, *args, **kwargs):
+            self._selector_weight = self._block_ce = None
+            metrics = super().forward(*args, **kwargs)
+            if self._selector_weight is None or self._block_ce is None:
+                raise RuntimeError(f"{core_cls.__name__} no longer weighs its selector term as DFlash2 expects")
+            # metrics.loss - CE_w is the library's λ · Σ w_sel·NLL / (Σ w_sel + 1e-6)
+            rescale = (self._selector_weight + 1e-6) / metrics.loss_weight.clamp_min(1e-12)
+            loss = self._block_ce + (metrics.loss - self._block_ce) * rescale
+            self._block_ce = None
+            return replace(metrics, loss=loss)
+
+    PooledSelector.__name__ = PooledSelector.__qualname__ = f"PooledSelector{core_cls.__name__}"
+    return PooledSelector
 
 
 DFLASH2 = DFlash2()
