@@ -215,6 +215,7 @@ class DFlashDraftModule(L.LightningModule):
             fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
         fully_shard(self.draft, mesh=dp_mesh, mp_policy=policy)
         self._sharded = True
+        log.info("FSDP2: %s", describe_sharding(self.draft))
 
     def setup(self, stage: str) -> None:
         self.target.to(self.device)
@@ -537,6 +538,23 @@ class DFlashDraftModule(L.LightningModule):
             return optimizer
         scheduler = instantiate(optim.lr_scheduler, optimizer=optimizer)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def describe_sharding(draft: torch.nn.Module) -> str:
+    """How much of ``draft`` this rank holds, read off its parameters: DTensor count and local elements.
+
+    Logged on every rank once FSDP2 has sharded the draft, so a launch shows that it shards
+    (each rank holding about 1/N of the elements) rather than replicating.
+    """
+    params = list(draft.parameters())
+    sharded = [p for p in params if hasattr(p, "to_local")]
+    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+    total = sum(p.numel() for p in params)
+    ranks = {p.device_mesh.size() for p in sharded} or {1}
+    return (
+        f"draft sharded over {max(ranks)} ranks: {len(sharded)} of {len(params)} parameters are DTensors; "
+        f"this rank holds {local} of {total} elements"
+    )
 
 
 SCHEDULE_HORIZON_KEYS = ("total_steps", "T_max", "total_iters")
