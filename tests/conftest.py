@@ -190,4 +190,7 @@ def run_launcher(command: list[str], env: dict, timeout: float):
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         pytest.fail(f"{' '.join(command[:6])} ... did not finish in {timeout} s:\n{(stdout + stderr)[-4000:]}")
+    finally:  # pytest-timeout's interrupt too: torchrun's workers would outlive the failed test
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)

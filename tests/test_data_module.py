@@ -73,18 +73,26 @@ def test_lightning_fit_reads_training_and_every_named_validation_set(tiny_target
     assert module.skip_counts() == {}
 
 
-def test_rank_and_world_size_default_to_the_process_group(tiny_target, audio_estimator, demo_data, tmp_path):
+def test_rank_and_world_size_default_to_the_process_group(tiny_target, audio_estimator, demo_data, tmp_path,
+                                                          monkeypatch):
+    """Without a trainer the module asks the default process group. A real one-process group, whose answers
+    are then moved to rank 1 of 3 (what a third of a launch would say): a module that assumed (0, 1)
+    fails."""
     import torch.distributed as dist
 
     cfg = DataConfig(train_ds=DatasetConfig(input_cfg=[InputConfig(type="lhotse_as_conversation",
                                                                    cuts_path=str(demo_data[0]))], batch_size=2))
+    assert (SpeechDataModule(cfg, tiny_target.tokenizer, TAG, audio_estimator, seed=0).rank, 0) == (0, 0)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 3)
         module = SpeechDataModule(cfg, tiny_target.tokenizer, TAG, audio_estimator, seed=0)
-        assert (module.rank, module.world_size) == (0, 1)
-        explicit = SpeechDataModule(cfg, tiny_target.tokenizer, TAG, audio_estimator, seed=0, rank=1, world_size=2)
-        assert (explicit.rank, explicit.world_size) == (1, 2)
+        assert (module.rank, module.world_size) == (1, 3)
+        explicit = SpeechDataModule(cfg, tiny_target.tokenizer, TAG, audio_estimator, seed=0, rank=0, world_size=2)
+        assert (explicit.rank, explicit.world_size) == (0, 2)
     finally:
+        monkeypatch.undo()
         dist.destroy_process_group()
 
 

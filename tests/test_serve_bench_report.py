@@ -43,14 +43,15 @@ def _phase(config, concurrency, repeat, seconds, requests, rejected=(), engine=N
     return Phase(config, concurrency, repeat, seconds, requests, list(rejected), engine)
 
 
-def _report(draft_b_tokens=(4, 5, 2), draft_b_finish="stop", engine_rounds=3, c_rejected=False):
-    """Target-only and one draft, concurrency 1 and 4, two repeats each."""
+def _report(draft_b_tokens=(4, 5, 2), draft_b_finish="stop", engine_rounds=3, c_rejected=False, slowdowns=(1, 2)):
+    """Target-only and one draft, concurrency 1 and 4, one repeat per slowdown (its phases take that many
+    times as long)."""
     phases = []
-    for repeat in range(2):
+    for repeat, slowdown in enumerate(slowdowns):
         for c, scale in ((1, 1.0), (4, 0.5)):
             target = [_request("a", [1, 2, 3, 2], 1.0 * scale), _request("b", [4, 5, 2], 0.8 * scale),
                       _request("c", [6, 2], 0.5 * scale)]
-            phases.append(_phase(TARGET_ONLY, c, repeat, 2.0 * scale * (1 + repeat), target))
+            phases.append(_phase(TARGET_ONLY, c, repeat, 2.0 * scale * slowdown, target))
             draft = [
                 _request("a", [1, 2, 3, 2], 0.5 * scale, rounds=[2, 0]),  # 4 tokens: prefill 1 + (2+1) + ... rounds
                 _request("b", list(draft_b_tokens), 0.4 * scale, rounds=[1], finish=draft_b_finish),
@@ -63,10 +64,10 @@ def _report(draft_b_tokens=(4, 5, 2), draft_b_finish="stop", engine_rounds=3, c_
             engine = {"rounds": engine_rounds + (1 if not c_rejected else 0), "proposed": 0, "accepted": 3,
                       "accepted_per_position": [2, 1, 0]}
             draft_seconds = 1.0 if c == 1 else 0.25  # speed-up 2x at concurrency 1, 4x at 4
-            phases.append(_phase("dflash", c, repeat, draft_seconds * (1 + repeat), draft, rejected, engine))
+            phases.append(_phase("dflash", c, repeat, draft_seconds * slowdown, draft, rejected, engine))
     configs = [ServedConfig(TARGET_ONLY), ServedConfig("dflash", "dflash", "/exp/d", K, 300),
                ServedConfig("dflash2", "dflash", "/exp/d2", K, 200, unservable="ValidationError: V1 does not support")]
-    return ServeBenchReport(dict(SETTINGS), dict(REFERENCES), [], configs, phases)
+    return ServeBenchReport(dict(SETTINGS, repeats=len(slowdowns)), dict(REFERENCES), [], configs, phases)
 
 
 def test_acceptance_is_pooled_over_the_completed_requests_rounds():
@@ -100,13 +101,13 @@ def test_a_rejected_request_is_failed_by_id_and_excluded():
 
 
 def test_throughput_is_the_median_over_repeats_and_speedup_their_ratio():
-    report = _report()
-    # concurrency 1: target 9 tokens in 2 s and 4 s; draft 9 tokens in 1 s and 2 s
+    report = _report(slowdowns=(1, 2, 6))  # three repeats, one slow: the median is not the mean
+    # concurrency 1: target 9 tokens in 2, 4 and 12 s; draft 9 tokens in 1, 2 and 6 s
     target, draft = report.summary(TARGET_ONLY, 1), report.summary("dflash", 1)
-    assert target.throughput_per_repeat == pytest.approx([4.5, 2.25])
-    assert target.output_tokens_per_s == pytest.approx((4.5 + 2.25) / 2)
-    assert draft.speedup == pytest.approx(2.0) and draft.speedup_per_repeat == pytest.approx([2.0, 2.0])
-    assert draft.requests_per_s == pytest.approx((3 / 1 + 3 / 2) / 2)
+    assert target.throughput_per_repeat == pytest.approx([4.5, 2.25, 0.75])
+    assert target.output_tokens_per_s == pytest.approx(2.25)  # the mean would be 2.5
+    assert draft.speedup == pytest.approx(2.0) and draft.speedup_per_repeat == pytest.approx([2.0, 2.0, 2.0])
+    assert draft.requests_per_s == pytest.approx(3 / 2)  # the mean would be 1.667
     assert report.summary("dflash", 4).speedup == pytest.approx(4.0)  # against target-only at concurrency 4
 
 

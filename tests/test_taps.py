@@ -65,11 +65,13 @@ def test_hooks_removed_after_forward_and_after_exception(tiny_target):
 
 
 def test_padding_rows_do_not_change_valid_positions(tiny_target):
+    """Left padding (right padding behind causal attention would hide a dropped mask): the valid positions
+    must not see the pad embeddings (random, as garbage in a batch would be)."""
     embeds = _inputs(tiny_target, seed=3, batch=1, seq=10)
-    padded = torch.cat([embeds, torch.zeros(1, 4, embeds.shape[-1])], dim=1)
-    mask = torch.tensor([[True] * 10 + [False] * 4])
+    padded = torch.cat([_inputs(tiny_target, seed=9, batch=1, seq=4), embeds], dim=1)
+    mask = torch.tensor([[False] * 4 + [True] * 10])
     alone = tiny_target.forward_taps(embeds, None, [0, 4]).features
-    with_pad = tiny_target.forward_taps(padded, mask, [0, 4]).features[:, :10]
+    with_pad = tiny_target.forward_taps(padded, mask, [0, 4]).features[:, 4:]
     torch.testing.assert_close(alone, with_pad, rtol=1e-5, atol=1e-5)
 
 
