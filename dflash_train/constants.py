@@ -7,6 +7,7 @@ rate of the speech targets and how many tokens a draft proposes per round.
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent / "conf"
@@ -35,3 +36,7 @@ SALM_ARCHITECTURE = "DFlashSALMForConditionalGeneration"
 def speculative_tokens(block_size: int) -> int:
     """K, the tokens a draft proposes per round: ``block_size - 1`` (K proposals + the bonus token = one block)."""
     return block_size - 1
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""Signals a scheduler sends before it ends a job (SLURM ``--signal``, time limit, ``scancel``, Kubernetes):
+the training process turns them into a checkpoint; its data-loading workers ignore them."""

@@ -1,5 +1,7 @@
 """Audio splicing (docs/target.md, Audio splicing) on real speech through the real SALM perception."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import pad_rows
@@ -60,17 +62,32 @@ def test_real_audio_expands_to_perception_frames_and_stays_aligned(tiny_target, 
 
 
 def test_padding_never_enters_a_draft_context(tiny_target, speech_batch):
+    """Rows of three lengths, spliced together and laid out as training lays them out: every valid anchor
+    (supervised, a full block left in its row) has a context that is the row's own, position for position
+    the row spliced alone; the padding sits after the last block."""
+    from dflash_train.data.packing import document_layout
+    from dflash_train.variants import DFLASH
+
     audios, audio_lens = speech_batch
-    rows = [_encode_prompt(tiny_target, "a ", " b" * n) for n in (2, 9, 4)]
+    rows = [_encode_prompt(tiny_target, "a ", " b" * n) for n in (5, 9, 6)]
     ids, loss, lengths = _batch(tiny_target, rows)
     out = tiny_target.splice_batch(_speech(ids, lengths, loss, audios, audio_lens), MASK_ID)
+    layout = document_layout(torch.where(out.attention_mask, 0, -1))  # DFlashDraftModule.prepare's layout
     width = out.input_ids.shape[1]
-    for i in range(len(rows)):
-        n = int(out.lengths[i])
-        assert out.attention_mask[i].tolist() == [True] * n + [False] * (width - n)
-        assert (out.input_ids[i, n:] == tiny_target.pad_id).all() and not out.loss_mask[i, n:].any()
-        for anchor in range(0, n - BLOCK + 1):
-            assert out.attention_mask[i, :anchor].all(), "a draft context (positions < anchor) saw padding"
+    for i, (r_ids, r_loss) in enumerate(rows):
+        alone_ids, alone_loss, alone_len = _batch(tiny_target, [(r_ids, r_loss)])
+        alone = tiny_target.splice_batch(_speech(alone_ids, alone_len, alone_loss, audios[i : i + 1],
+                                                 audio_lens[i : i + 1]), MASK_ID)
+        n = int(alone.lengths[0])
+        # the variant's anchor rule (DFlash: a supervised position with BLOCK - 1 real tokens after it)
+        valid = out.loss_mask[i] & (layout.doc_remaining[i] >= DFLASH.block_span(SimpleNamespace(block_size=BLOCK)))
+        anchors = valid.nonzero().flatten().tolist()
+        assert anchors and max(anchors) + BLOCK <= n, f"row {i}: a block reaches past the row's {n} positions"
+        end = max(anchors) + BLOCK  # the last position any block of this row reads
+        assert torch.equal(out.input_ids[i, :end], alone.input_ids[0, :end])
+        assert torch.equal(out.loss_mask[i, :end], alone.loss_mask[0, :end])
+        torch.testing.assert_close(out.inputs_embeds[i, :end], alone.inputs_embeds[0, :end])
+        assert not out.loss_mask[i, n:].any() and (out.input_ids[i, n:] == tiny_target.pad_id).all()
     assert int(out.lengths.min()) < width, "the test needs rows of different lengths"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from itertools import islice
 from typing import Iterable, Iterator, Optional
 
@@ -12,6 +13,7 @@ from lhotse.lazy import LazyIteratorChain, LazyIteratorMultiplexer, LazyRepeater
 from torch.utils.data import DataLoader
 
 from dflash_train.config.schema import DataConfig, DatasetConfig, InputConfig
+from dflash_train.constants import PREEMPTION_SIGNALS
 from dflash_train.data.collate import SpeechDataset
 from dflash_train.data.conversation import DataError
 from dflash_train.data.estimator import AudioTokenEstimator
@@ -32,6 +34,18 @@ def _process_group_topology() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+def leave_preemption_to_the_trainer(_worker_id: int) -> None:
+    """Loader workers ignore SIGTERM / SIGUSR1: the training process turns them into a checkpoint.
+
+    torchrun passes SIGTERM to each rank's whole process group and SLURM signals every process of
+    a job step, workers included; a worker killed by it makes the rank's loader fail ("worker
+    exited unexpectedly") before the step boundary where the preemption checkpoint is saved.
+    Workers still stop when the loader shuts them down or their rank exits.
+    """
+    for signum in PREEMPTION_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 class _AfterFirst:
@@ -186,6 +200,7 @@ class SpeechDataModule(L.LightningDataModule):
             batch_size=None,
             num_workers=ds.num_workers,
             persistent_workers=ds.num_workers > 0,
+            worker_init_fn=leave_preemption_to_the_trainer if ds.num_workers > 0 else None,
             prefetch_factor=ds.prefetch_factor,
             pin_memory=pin,
         )

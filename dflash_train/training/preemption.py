@@ -23,11 +23,11 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from dflash_train.constants import PREEMPTION_SIGNALS
 from dflash_train.training.metrics import all_reduce_sum
 
 log = logging.getLogger(__name__)
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def slurm_job_id() -> Optional[str]:
