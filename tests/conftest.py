@@ -194,3 +194,28 @@ def run_launcher(command: list[str], env: dict, timeout: float):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+class ResumeComparison:
+    """The exact-resume harness: one run straight to ``steps``, one stopped at ``stop_at`` and resumed to
+    ``steps`` in its own directory (``run(run_dir, steps)`` trains and returns its ``TrainResult``)."""
+
+    def __init__(self, run, root: Path, steps: int, stop_at: int):
+        from safetensors.torch import load_file
+
+        self.straight = run(root / "straight", steps)
+        self.stopped = run(root / "resumed", stop_at)
+        self.at_stop = load_file(str(self.stopped.export_dir / "model.safetensors"))
+        self.resumed = run(root / "resumed", steps)
+        assert (self.straight.steps, self.stopped.steps, self.resumed.steps) == (steps, stop_at, steps)
+        assert self.resumed.resumed_from == root / "resumed" / "checkpoints" / "last.ckpt"
+        self.straight_weights = load_file(str(self.straight.export_dir / "model.safetensors"))
+        self.resumed_weights = load_file(str(self.resumed.export_dir / "model.safetensors"))
+
+    def worst(self, keys=None) -> float:
+        """Largest weight difference, resumed vs straight, over ``keys`` (default: every exported tensor); it
+        also checks that the steps after the stop trained those tensors."""
+        keys = sorted(keys if keys is not None else self.straight_weights)
+        assert keys and self.resumed_weights.keys() == self.straight_weights.keys()
+        assert any(not torch.equal(self.straight_weights[k], self.at_stop[k]) for k in keys), "the resumed steps did not train"
+        return max((self.straight_weights[k] - self.resumed_weights[k]).abs().max().item() for k in keys)

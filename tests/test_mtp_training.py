@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import UTTERANCES, chatml_speech_batch, compose, tiny_run_overrides
+from conftest import UTTERANCES, ResumeComparison, chatml_speech_batch, compose, tiny_run_overrides
 from listdata import ListDataModule
 from safetensors.torch import load_file
 
@@ -202,16 +202,10 @@ def test_mtp_resume_is_exact_and_the_export_is_the_target_plus_heads(tiny_salm_d
         return _mtp_recipe(tiny_salm_dir, run_dir, f"trainer.max_steps={steps}", "exp_manager.checkpoint_every_n_steps=3",
                            "dflash.num_anchors=6", "dflash.num_nextn_predict_layers=3")
 
-    straight = train(recipe(tmp_path / "straight", 6), factory)
-    stopped = train(recipe(tmp_path / "resumed", 3), factory)
-    at_three = load_file(str(stopped.export_dir / "model.safetensors"))
-    resumed = train(recipe(tmp_path / "resumed", 6), factory)
-    assert resumed.steps == 6 and resumed.resumed_from is not None
-    a = load_file(str(straight.export_dir / "model.safetensors"))
-    b = load_file(str(resumed.export_dir / "model.safetensors"))
+    runs = ResumeComparison(lambda run_dir, steps: train(recipe(run_dir, steps), factory), tmp_path, 6, 3)
+    straight, a = runs.straight, runs.straight_weights
     heads = sorted(k for k in a if k.startswith("llm.mtp."))
-    assert heads and max((a[k] - b[k]).abs().max().item() for k in heads) <= 1e-6
-    assert any(not torch.equal(a[k], at_three[k]) for k in heads), "steps 4-6 did not train"
+    assert runs.worst(heads) <= 1e-6
 
     source = load_file(str(tiny_salm_dir / "model.safetensors"))
     assert set(a) - set(heads) == set(source) and all(torch.equal(a[k], source[k]) for k in source)

@@ -92,14 +92,18 @@ def trained_exports() -> dict[str, Path]:
     return found
 
 
+def missing_trained(message: str) -> None:
+    """A trained export is missing: fail under ``DFLASH_VLLM_REQUIRE_TRAINED=1`` (CI), else skip with ``message``."""
+    if os.environ.get("DFLASH_VLLM_REQUIRE_TRAINED") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 @pytest.fixture(scope="session")
 def trained_dflash_export() -> Path:
     exports = trained_exports()
     if "dflash" not in exports:
-        message = f"no trained DFlash export among {os.environ.get('DFLASH_VLLM_EXPORTS', 'runs/demo*/export')}"
-        if os.environ.get("DFLASH_VLLM_REQUIRE_TRAINED") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+        missing_trained(f"no trained DFlash export among {os.environ.get('DFLASH_VLLM_EXPORTS', 'runs/demo*/export')}")
     return exports["dflash"]
 
 
@@ -108,10 +112,7 @@ def trained_mtp_export() -> Path:
     """The demo's target with MTP heads trained on it (``DFLASH_VLLM_MTP_EXPORT``, default runs/demo-mtp/export)."""
     export = _path("DFLASH_VLLM_MTP_EXPORT", "runs/demo-mtp/export")
     if not (export / "config.json").exists():
-        message = f"no trained MTP export at {export}: `make test-vllm` trains one (dflash=mtp)"
-        if os.environ.get("DFLASH_VLLM_REQUIRE_TRAINED") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+        missing_trained(f"no trained MTP export at {export}: `make test-vllm` trains one (dflash=mtp)")
     return export
 
 
@@ -182,10 +183,14 @@ def untrained_export(served_target, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def dflash2_export(served_target, tmp_path_factory) -> Path:
-    """The demo's trained DFlash2 export, else an untrained one."""
-    return trained_exports().get("dflash2") or write_untrained_export(
-        served_target, "dflash2", tmp_path_factory.mktemp("untrained") / "dflash2"
-    )
+    """The demo's trained DFlash2 export; without one, an untrained one, except under
+    ``DFLASH_VLLM_REQUIRE_TRAINED=1`` (CI), where a missing trained export fails."""
+    trained = trained_exports().get("dflash2")
+    if trained is not None:
+        return trained
+    if os.environ.get("DFLASH_VLLM_REQUIRE_TRAINED") == "1":
+        pytest.fail("no trained DFlash2 export (runs/demo-dflash2/export): `make test-vllm` trains one (dflash=dflash2)")
+    return write_untrained_export(served_target, "dflash2", tmp_path_factory.mktemp("untrained") / "dflash2")
 
 
 @pytest.fixture(scope="session")
