@@ -213,7 +213,7 @@ def test_export_target_in_place_keeps_the_weights_and_every_other_file(broken, t
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt")], "a staging directory was left"
 
 
-# dflash-train through its real entry point (Hydra), one subprocess per row
+# dflash-train through its real entry point (Hydra): every row in one driver process (tests/train_cli_rows.py)
 TRAIN = [
     ("train/truncated target", lambda p: {"model.pretrained_name": p["truncated_target"]},
      lambda p: p["truncated_target"] / "model.safetensors"),
@@ -229,26 +229,45 @@ TRAIN = [
 ]
 
 
-@pytest.mark.parametrize("row, change, named", TRAIN, ids=[r[0] for r in TRAIN])
-def test_dflash_train_fails_cleanly_on_each_broken_input(broken, tmp_path, row, change, named):
-    settings = {
-        "model.pretrained_name": broken["target"],
-        "data.train_ds.input_cfg.0.cuts_path": broken["train"],
-        "data.validation_ds.input_cfg.0.cuts_path": broken["cuts"],
-        "exp_manager.explicit_log_dir": _out(tmp_path),
-        "exp_manager.exp_dir": tmp_path / "exp",
-        **change(broken),
-    }
-    command = [sys.executable, "-m", "dflash_train", "--config-name=demo", "trainer.max_steps=1",
-               *[f"{k}={v}" for k, v in settings.items()]]
+def _row_dir(root: Path, row: str) -> Path:
+    return root / row.replace("/", "_").replace(" ", "_")
+
+
+@pytest.fixture(scope="module")
+def train_rows(broken, tmp_path_factory) -> tuple[Path, dict]:
+    """Every TRAIN row through dflash-train's entry point, in one driver process: ``(root, results by row)``."""
+    root = tmp_path_factory.mktemp("train_rows")
+    rows = []
+    for row, change, _ in TRAIN:
+        settings = {
+            "model.pretrained_name": broken["target"],
+            "data.train_ds.input_cfg.0.cuts_path": broken["train"],
+            "data.validation_ds.input_cfg.0.cuts_path": broken["cuts"],
+            "exp_manager.explicit_log_dir": _out(_row_dir(root, row)),
+            "exp_manager.exp_dir": _row_dir(root, row) / "exp",
+            **change(broken),
+        }
+        rows.append([row, ["--config-name=demo", "trainer.max_steps=1", *[f"{k}={v}" for k, v in settings.items()]]])
+    (root / "rows.json").write_text(json.dumps(rows))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    err = proc.stderr.strip().splitlines()
-    assert proc.returncode != 0, f"{row}: exit 0"
+    driver = Path(__file__).parent / "train_cli_rows.py"
+    proc = subprocess.run([sys.executable, str(driver), str(root / "rows.json"), str(root / "results.json")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return root, json.loads((root / "results.json").read_text())
+
+
+@pytest.mark.parametrize("row, change, named", TRAIN, ids=[r[0] for r in TRAIN])
+def test_dflash_train_fails_cleanly_on_each_broken_input(broken, train_rows, row, change, named):
+    root, results = train_rows
+    code, stderr = results[row]["code"], results[row]["stderr"]
+    err = stderr.strip().splitlines()
+    assert code != 0, f"{row}: exit 0"
     assert err and "error: " in err[-1] and str(named(broken)) in err[-1], f"{row}: {err[-3:]}"
-    assert "Traceback" not in proc.stderr
-    assert not _out(tmp_path).exists() or not any(_out(tmp_path).rglob("*.safetensors")), f"{row}: wrote an export"
+    assert "Traceback" not in stderr
+    out = _out(_row_dir(root, row))
+    assert not out.exists() or not any(out.rglob("*.safetensors")), f"{row}: wrote an export"
 
 
 def test_export_target_never_replaces_a_directory_it_did_not_write(broken, tmp_path):
