@@ -99,3 +99,15 @@ def test_a_rank_without_anchor_runs_the_same_collectives_and_matches_one_process
     assert two[0]["train_loss"] == pytest.approx(single[0]["train_loss"], rel=1e-5)
     worst = _worst_difference(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
     assert worst < 1e-6, f"{strategy}: weights differ from one process by {worst}"
+
+
+def test_two_fsdp2_ranks_accumulating_two_micro_batches_match_one_process(tiny_salm_dir, wavs, tmp_path):
+    """Gradient accumulation over ranks and micro-batches: each window's gradient is divided by the
+    window's Σw summed over both ranks and both micro-batches (DFlash2, selector on)."""
+    flags = (*SGD, "--set", "trainer.accumulate_grad_batches=2")
+    one = _launch(tmp_path / "one", tiny_salm_dir, "ddp", "dflash2", 1, wavs, *flags)
+    two = _launch(tmp_path / "two", tiny_salm_dir, "fsdp2", "dflash2", 2, wavs, *flags)
+    assert one[0]["steps"] == two[0]["steps"] == 2
+    worst = _worst_difference(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
+    print(f"\nfsdp2/dflash2, accumulate 2: 2 ranks vs 1 process: max |dw| = {worst:.3g}")
+    assert worst < 1e-6, f"accumulation: 2 ranks differ from one process by {worst}"
