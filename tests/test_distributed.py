@@ -59,8 +59,8 @@ def single(tiny_salm_dir, wavs, tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+# the recipe's defaults (FSDP2, DFlash2 with its selector) and the extra case (DDP, DFlash)
+@pytest.mark.parametrize("strategy, variant", [("fsdp2", "dflash2"), ("ddp", "dflash")])
 def test_two_ranks_match_one(single, tiny_salm_dir, wavs, tmp_path, strategy, variant):
     single_dir, single_metrics = single[variant]
     metrics = _launch(tmp_path, tiny_salm_dir, strategy, variant, 2, wavs, *SGD, *VARIANT_FLAGS[variant])
@@ -84,20 +84,28 @@ def test_serving_anchors_keep_two_fsdp2_ranks_equal_to_one_process(tiny_salm_dir
     assert one[0]["train_loss"] == pytest.approx(two[0]["train_loss"], rel=1e-5)
     worst = _worst_difference(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
     assert worst < 1e-6, f"serving anchors: 2 ranks differ from one process by {worst}"
-    plain = _launch(tmp_path / "plain", tiny_salm_dir, "ddp", "dflash", 1, wavs, *SGD)
+    _launch(tmp_path / "plain", tiny_salm_dir, "ddp", "dflash", 1, wavs, *SGD)
     assert _worst_difference(_weights(tmp_path / "plain"), _weights(tmp_path / "one")) > 0, "the option did nothing"
 
 
+NO_ANCHOR_FLAGS = ("--unsupervised", "2,3", "--sgd", "0.5", "--steps", "2")
+
+
+@pytest.fixture(scope="module")
+def single_without_anchor(tiny_salm_dir, wavs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("one_without_anchor")
+    return out, _launch(out, tiny_salm_dir, "ddp", "dflash", 1, wavs, *NO_ANCHOR_FLAGS)
+
+
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
-def test_a_rank_without_anchor_runs_the_same_collectives_and_matches_one_process(tiny_salm_dir, wavs, tmp_path,
-                                                                               strategy):
+def test_a_rank_without_anchor_runs_the_same_collectives_and_matches_one_process(single_without_anchor, tiny_salm_dir,
+                                                                               wavs, tmp_path, strategy):
     """Rank 1's rows have no supervised position: it must still join every all-gather / reduce (FSDP2 hung)."""
-    flags = ("--unsupervised", "2,3", "--sgd", "0.5", "--steps", "2")
-    single = _launch(tmp_path / "one", tiny_salm_dir, "ddp", "dflash", 1, wavs, *flags)
-    two = _launch(tmp_path / "two", tiny_salm_dir, strategy, "dflash", 2, wavs, *flags, timeout=240)
+    one_dir, single = single_without_anchor
+    two = _launch(tmp_path / "two", tiny_salm_dir, strategy, "dflash", 2, wavs, *NO_ANCHOR_FLAGS, timeout=240)
     assert two[0]["steps"] == two[1]["steps"] == single[0]["steps"] == 2
     assert two[0]["train_loss"] == pytest.approx(single[0]["train_loss"], rel=1e-5)
-    worst = _worst_difference(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
+    worst = _worst_difference(_weights(tmp_path / "two"), _weights(one_dir))
     assert worst < 1e-6, f"{strategy}: weights differ from one process by {worst}"
 
 
