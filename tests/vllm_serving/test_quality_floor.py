@@ -17,7 +17,7 @@ import pytest
 from conftest import REPO_ROOT, missing_trained
 
 MEASURED = {  # run directory: (K, pooled MAL)
-    "runs/demo": (7, 4.033),  # DFlash, 458 accepted / 151 rounds
+    "runs/demo": (7, 4.033),  # DFlash, 458 accepted / 151 rounds (README); 4.178 (464 / 146) on a fresh machine
     "runs/demo-dflash2": (7, 5.116),  # DFlash2 (selector pooled over ranks), 498 / 121
     "runs/demo-mtp": (2, 2.893),  # MTP heads (one repeated step), 407 / 215
 }
