@@ -37,6 +37,7 @@ def speculative_tokens(block_size: int) -> int:
     """K, the tokens a draft proposes per round: ``block_size - 1`` (K proposals + the bonus token = one block)."""
     return block_size - 1
 
+
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """Signals a scheduler sends before it ends a job (SLURM ``--signal``, time limit, ``scancel``, Kubernetes):
 the training process turns them into a checkpoint; its data-loading workers ignore them."""

@@ -29,7 +29,6 @@ from dflash_train.training.metrics import all_reduce_sum
 log = logging.getLogger(__name__)
 
 
-
 def slurm_job_id() -> Optional[str]:
     """The id ``scontrol requeue`` takes: ``ARRAY_TASK`` form for array jobs, else ``SLURM_JOB_ID``."""
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
