@@ -41,10 +41,10 @@ def _worst_difference(ours: dict, ref: dict) -> float:
 
 
 # Plain SGD, so the weights carry any error in the gradient's scale (AdamW would normalise it away).
-# DFlash2 runs with the shipped selector weight (1.0): its term is pooled over ranks like the CE
+# DFlash2 runs with the shipped selector weight (1.0): its mean is taken over every rank's rows
 # (variants/dflash2.py), so two ranks train like one process. The tolerance, 1e-6 on weights of
 # order 0.1-1 after two SGD steps, is FP32 summation order (ranks sum their halves, then gloo adds
-# the two sums): measured 6e-8 (DDP) and 1.2e-7 (FSDP2); with the library's per-rank selector mean
+# the two sums): measured 6e-8 (FSDP2, also with 2 accumulated micro-batches); with per-rank selector means
 # the first step's loss already differs by 3.5e-4 relative (7.9629 vs 7.9657).
 SGD = ("--sgd", "0.5", "--steps", "2")
 VARIANT_FLAGS = {"dflash": (), "dflash2": ()}

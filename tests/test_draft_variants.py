@@ -79,10 +79,11 @@ def test_dflash2_selector_loss_and_candidate_recall_match_a_direct_computation(t
     assert 0 < recalled < supervised, "the check needs positions both inside and outside the candidate lists"
     assert float(metrics.candidate_recall) == pytest.approx(recalled / supervised, rel=1e-6)
     assert float(metrics.selector_loss) == pytest.approx(weighted_nll / (weight_sum + 1e-6), rel=1e-4)
-    # the step loss pools the selector term over the CE's weights (a plain sum over ranks and micro-batches)
+    # the step loss: block CE + λ · the selector's mean NLL over candidate-covered positions (one process; the
+    # mean over several ranks' rows is tests/test_distributed.py's)
     assert float(metrics.loss_weight) == pytest.approx(ce_weight, rel=1e-6)
-    pooled = float(metrics.base_loss) * ce_weight + cfg.selector_loss_weight * weighted_nll
-    assert float(metrics.loss) * ce_weight == pytest.approx(pooled, rel=1e-5)
+    expected = float(metrics.base_loss) + cfg.selector_loss_weight * weighted_nll / weight_sum
+    assert float(metrics.loss) == pytest.approx(expected, rel=1e-5)
     logged = spec.variant.step_metrics(metrics)
     assert logged["candidate_recall"] == float(metrics.candidate_recall)
     assert logged["selector_loss"] == float(metrics.selector_loss)

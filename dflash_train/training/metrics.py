@@ -5,20 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-import torch.distributed as dist
 
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over the default process group (identity in a single process)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
-def world_size() -> int:
-    """Number of data-parallel processes (1 without torch.distributed)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+from dflash_train.distributed import all_reduce_sum
 
 
 @dataclass

@@ -25,17 +25,11 @@ from dflash_train.data.packing import document_layout
 from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE
 from dflash_train.draft.build import DraftSpec, PreferredRow
 from dflash_train.draft.export import full_state_dict
+from dflash_train.distributed import all_reduce_sum, world_size
 from dflash_train.draft.family import family_of
 from dflash_train.errors import ConfigError, NonFiniteTrainingError
 from dflash_train.target.base import FrozenTarget
-from dflash_train.training.metrics import (
-    WEIGHT_INDEX,
-    BlockStats,
-    all_reduce_sum,
-    empty_step_sums,
-    step_sums,
-    world_size,
-)
+from dflash_train.training.metrics import WEIGHT_INDEX, BlockStats, empty_step_sums, step_sums
 from dflash_train.training.serving_anchors import CHECKPOINT_KEY as SERVING_ANCHORS_KEY
 from dflash_train.training.serving_anchors import ServingAnchorMiner
 from dflash_train.training.serving_validation import ServingValidation
@@ -322,7 +316,11 @@ class DFlashDraftModule(L.LightningModule):
         if self.has_valid_anchor(inputs):
             metrics = self.run_core(inputs, rng_key, preferred)
             return metrics, step_sums(metrics), metrics.loss * metrics.loss_weight
-        metrics = self.run_core(self.placeholder_inputs(inputs), rng_key)
+        self.core.placeholder = True  # a core that pools statistics over ranks counts this forward as zero
+        try:
+            metrics = self.run_core(self.placeholder_inputs(inputs), rng_key)
+        finally:
+            self.core.placeholder = False
         return None, empty_step_sums(self.device), metrics.loss * 0.0
 
     # ------------------------------------------------------------------ training

@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from dflash_train.constants import PREEMPTION_SIGNALS
-from dflash_train.training.metrics import all_reduce_sum
+from dflash_train.distributed import all_reduce_sum
 
 log = logging.getLogger(__name__)
 

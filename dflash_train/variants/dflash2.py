@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dflash_train.distributed import all_reduce_sum
 from dflash_train.variants.base import DFlashConfig, automodel_speculative_dflash
 from dflash_train.variants.dflash import DFlash
 
@@ -79,22 +80,26 @@ class DFlash2(DFlash):
 
 
 def pooled_selector_core(core_cls: type) -> type:
-    """``core_cls`` (nemo_automodel's DFlash2 trainer core) with a selector term that sums exactly over
-    ranks and micro-batches.
+    """``core_cls`` (nemo_automodel's DFlash2 trainer core) whose selector term is averaged over every rank's
+    batch, so that N ranks train like one process on the concatenated batch.
 
-    The library's step loss is ``CE_w + λ · Σ w_sel·NLL / Σ w_sel``: the selector's NLL averaged over
-    this batch's own positions whose target is among the candidates. A mean of per-rank means depends
-    on how the data is split, so 2 ranks (or 2 accumulated micro-batches) would train unlike 1 process
-    on the concatenated batch. Here the step's ``loss`` is ``CE_w + λ · Σ w_sel·NLL / Σ w``, with Σ w
-    the block CE's own weights (``loss_weight``): ``loss · loss_weight`` is then a plain sum that the
-    training module pools like the CE, and the objective is the selector NLL per supervised position
-    (positions whose target the candidates miss add zero). ``selector_loss`` stays the library's mean
-    over candidate-covered positions (logged).
+    The library's step loss is ``CE_w + λ · Σ w_sel·NLL / Σ w_sel``: the block CE's weighted mean plus the
+    selector's NLL averaged over the positions whose target is among its candidates (w_sel), both over
+    this process's batch. The training module pools ``loss · loss_weight`` over ranks and divides by
+    the window's Σ w, which is exact for the CE but turns the selector term into a mean of per-rank
+    means. Here each forward all-reduces (Σ w, Σ w_sel) of this micro-batch over the data-parallel ranks
+    and scales the selector sum by their ratio, so that summed over ranks and divided by Σ w the step
+    minimises ``CE_w + λ · Σ w_sel·NLL / Σ w_sel`` with both sums over every rank's rows: the library's
+    objective on the concatenated batch. Every rank runs the core once per micro-batch (a rank without
+    anchors runs a placeholder, marked ``placeholder`` by the module and counted as zero), so the
+    all-reduce is in step. With gradient accumulation each micro-batch's selector mean is weighted by its
+    share of the window's Σ w.
     """
 
     class PooledSelector(core_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            self.placeholder = False  # set by the training module around a placeholder forward
             self._selector_scored = False
             self._selector_weight: torch.Tensor | None = None
             self._block_ce: torch.Tensor | None = None
@@ -119,9 +124,14 @@ def pooled_selector_core(core_cls: type) -> type:
             metrics = super().forward(*args, **kwargs)
             if self._selector_weight is None or self._block_ce is None:
                 raise RuntimeError(f"{core_cls.__name__} no longer weighs its selector term as DFlash2 expects")
-            # metrics.loss - CE_w is the library's λ · Σ w_sel·NLL / (Σ w_sel + 1e-6)
-            rescale = (self._selector_weight + 1e-6) / metrics.loss_weight.clamp_min(1e-12)
-            loss = self._block_ce + (metrics.loss - self._block_ce) * rescale
+            local = torch.stack([metrics.loss_weight.detach(), self._selector_weight]).double()
+            if self.placeholder:
+                local = torch.zeros_like(local)
+            weight, selector_weight = all_reduce_sum(local)
+            # metrics.loss - CE_w is the library's λ · Σ w_sel·NLL / (Σ w_sel + 1e-6) over this batch
+            selector_sum = (metrics.loss - self._block_ce) * (self._selector_weight + 1e-6)
+            scale = torch.where(selector_weight > 0, weight / selector_weight.clamp_min(1e-12), 0.0)
+            loss = self._block_ce + selector_sum * scale.to(selector_sum.dtype) / metrics.loss_weight.clamp_min(1e-12)
             self._block_ce = None
             return replace(metrics, loss=loss)
 
