@@ -22,14 +22,19 @@ import torch
 
 from dflash_train.data.batch import SpeechBatch
 from dflash_train.data.packing import document_layout
+from dflash_train.distributed import all_reduce_sum, world_size
 from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE
 from dflash_train.draft.build import DraftSpec, PreferredRow
 from dflash_train.draft.export import full_state_dict
-from dflash_train.distributed import all_reduce_sum, world_size
 from dflash_train.draft.family import family_of
 from dflash_train.errors import ConfigError, NonFiniteTrainingError
 from dflash_train.target.base import FrozenTarget
-from dflash_train.training.metrics import WEIGHT_INDEX, BlockStats, empty_step_sums, step_sums
+from dflash_train.training.metrics import (
+    WEIGHT_INDEX,
+    BlockStats,
+    empty_step_sums,
+    step_sums,
+)
 from dflash_train.training.serving_anchors import CHECKPOINT_KEY as SERVING_ANCHORS_KEY
 from dflash_train.training.serving_anchors import ServingAnchorMiner
 from dflash_train.training.serving_validation import ServingValidation
