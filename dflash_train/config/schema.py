@@ -8,7 +8,7 @@ checked there. The ``dflash`` section is typed by its variant: each variant modu
 """
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
@@ -27,6 +27,7 @@ LIGHTNING_PRECISION = {
 }
 PRECISION_ALIASES = {"bf16-automodel": "bf16-flash"}
 STRATEGIES = ("auto", "ddp", "fsdp2")
+DEFAULT_PROMPT_FORMAT = "qwen"
 
 
 @dataclass
@@ -40,6 +41,24 @@ class ModelConfig:
     audio_locator_tag: str = "<|audio|>"
     encoder_chunk_size_seconds: Optional[float] = None
     packed_sequences: Optional[bool] = None  # NeMo's name: true = data.train_ds.packing (see resolve_nemo_aliases)
+    # NeMo's SALM / SALMAutomodel keys (salm_automodel.yaml), with NeMo's meaning (docs/target.md, "NeMo's keys"):
+    prompt_format: Optional[str] = None  # NeMo's name for data.prompt_format ("nemotron-nano-v3" = nemotron_nano_v3)
+    pretrained_llm: Optional[str] = None  # how the SpeechLM is built: checked against a checkpoint, else builds it
+    pretrained_asr: Optional[str] = None
+    perception: Optional[dict] = None
+    pretrained_weights: Optional[bool] = None
+    use_nemo_automodel: Optional[bool] = None  # the LLM in nemo_automodel's modules (native checkpoint names)
+    automodel_backend: Optional[dict] = None  # nemo_automodel kernels for the LLM (GPU); the CPU target runs HF's
+    mtp: Optional[dict] = None  # the SpeechLM's own MTP heads (stored beside the LLM, not part of the target)
+    # Keys that steer training the SpeechLM itself; the target is frozen here, so they change nothing.
+    freeze_params: Optional[Any] = None
+    prevent_freeze_params: Optional[Any] = None
+    aux_loss_coeff: Optional[float] = None
+    train_gate: Optional[bool] = None
+    packed_encoder_sequences: Optional[bool] = None
+    lora: Optional[dict] = None
+    optimizer: Optional[dict] = None
+    lr_scheduler: Optional[dict] = None
 
 
 @dataclass
@@ -96,7 +115,7 @@ class DatasetConfig:
 class DataConfig:
     """Speech conversation data: prompt format, training inputs and named validation sets."""
 
-    prompt_format: str = "qwen"
+    prompt_format: Optional[str] = None  # null: model.prompt_format (NeMo's key), else DEFAULT_PROMPT_FORMAT
     system_prompt: Optional[str] = None
     train_ds: DatasetConfig = field(default_factory=DatasetConfig)
     validation_ds: Optional[DatasetConfig] = None

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from dflash_train.config.nemo_inputs import SPLITS, expand_nemo_inputs
+from dflash_train.config.nemo_model import resolve_nemo_model_keys
 from dflash_train.config.schema import (
     ATTENTION_BACKENDS,
     LABEL_SOURCES,
@@ -216,7 +217,8 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         lambda run: (run.model.pretrained_name is None) != (run.model.salm is None),
-        lambda run: "set exactly one of model.pretrained_name (a SALM checkpoint) and model.salm (a SALM config to build)",
+        lambda run: "set exactly one of model.pretrained_name (a SpeechLM checkpoint) and model.salm (or NeMo's "
+        "model.pretrained_llm: a SALM to build)",
     ),
     Rule(
         lambda run: run.dflash.block_size >= 2,
@@ -376,6 +378,7 @@ def validate_config(cfg: DictConfig) -> ValidatedConfig:
     _check_unknown_keys(cfg, RunConfig)
     run, trainer_kwargs = _typed(cfg)
     resolve_nemo_aliases(run)
+    resolve_nemo_model_keys(run)
     _check_rules(run)
     return ValidatedConfig(run, trainer_kwargs)
 

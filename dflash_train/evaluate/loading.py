@@ -19,7 +19,8 @@ from dflash_train.data.estimator import AudioTokenEstimator
 from dflash_train.data.prompt import ChatMLFormat, build_prompt_format
 from dflash_train.errors import ConfigError
 from dflash_train.files import read_json_object
-from dflash_train.target import FrozenTarget, SALMTarget, load_salm
+from dflash_train.target import FrozenTarget
+from dflash_train.target.load import open_speech_target
 from dflash_train.target.audio import AudioLLM
 from dflash_train.target.salm import check_salm_checkpoint
 
@@ -94,18 +95,9 @@ def torch_dtype(name: str, option: str = "--dtype") -> torch.dtype:
 
 
 def load_target(model: ModelConfig, device: str, dtype: str, perception_dtype: Optional[str] = None) -> AudioLLM:
-    """The frozen speech target on ``device`` in ``dtype``; its perception in ``perception_dtype`` if given.
-
-    A checkpoint whose LLM backbone is Nemotron-H (NeMo's SpeechLM MTP checkpoints, which NeMo's
-    ``SALM`` cannot build) is read from its files; every other target is NeMo's ``SALM``.
-    """
-    from dflash_train.target.nemotron_h import NEMOTRON_H, NemotronHSpeechLMTarget, backbone_model_type
-
-    name = model.pretrained_name
-    if name is not None and Path(name).is_dir() and backbone_model_type(name) == NEMOTRON_H:
-        target = NemotronHSpeechLMTarget.from_checkpoint(name)
-    else:
-        target = SALMTarget(load_salm(model))
+    """The frozen speech target ``model`` names (:func:`~dflash_train.target.load.open_speech_target`) on
+    ``device`` in ``dtype``; its perception in ``perception_dtype`` if given."""
+    target = open_speech_target(model)
     target = target.to(device=torch.device(device), dtype=torch_dtype(dtype))
     if perception_dtype is not None:
         target.run_perception_in(torch_dtype(perception_dtype, "--perception-dtype"))

@@ -5,10 +5,16 @@ position it just processed (to verify proposals and pick the next token), the ta
 features of those positions (the draft's context, docs/target.md: pre-final-norm block
 outputs, captured with the same hooks training uses) and a cache it can roll back to the
 accepted prefix. :class:`TargetSession` gives exactly that for one sequence.
+
+A target with recurrent blocks (Nemotron-H's Mamba-2) cannot crop its cache: a recurrent state holds
+no per-position entries to drop. Its session keeps a copy of the cache from before the first
+extension after a crop and rolls back by restoring it and replaying the tokens that stay (exact:
+the state is what a forward over exactly those tokens leaves).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -43,6 +49,8 @@ class TargetSession:
         self.layer_ids = list(layer_ids)
         self.cache = target.new_cache()
         self.length = 0
+        self.replays = target.recurrent_block_ids != []
+        self._rollback_point: tuple[object, int, list[int]] | None = None  # cache, its length, tokens since
 
     @torch.no_grad()
     def _forward(self, inputs_embeds: torch.Tensor, last_only: bool) -> StepOutput:
@@ -63,14 +71,35 @@ class TargetSession:
 
     def extend(self, token_ids: Sequence[int]) -> StepOutput:
         """Append ``token_ids`` at the next positions; logits and features of each of them."""
+        if self.replays:
+            if self._rollback_point is None:
+                self._rollback_point = (copy.deepcopy(self.cache), self.length, [])
+            self._rollback_point[2].extend(token_ids)
+        return self._forward(self._embed(token_ids), last_only=False)
+
+    def _embed(self, token_ids: Sequence[int]) -> torch.Tensor:
         device = self.target.embed_tokens.weight.device
-        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
-        return self._forward(self.target.embed_tokens(ids), last_only=False)
+        return self.target.embed_tokens(torch.tensor([list(token_ids)], dtype=torch.long, device=device))
 
     def crop(self, length: int) -> None:
-        """Forget every position from ``length`` on (rejected proposals)."""
-        crop_cache(self.cache, length)
-        self.length = length
+        """Forget every position from ``length`` on (rejected proposals).
+
+        With recurrent blocks the cache from before the first extension since the last crop is
+        restored and the kept tokens are run again; positions before it cannot be forgotten.
+        """
+        if length >= self.length:
+            self._rollback_point = None
+            return
+        if not self.replays:
+            crop_cache(self.cache, length)
+            self.length = length
+            return
+        if self._rollback_point is None or length < self._rollback_point[1]:
+            raise RuntimeError(f"a recurrent state rolls back only to the last crop, not to position {length}")
+        self.cache, self.length, token_ids = self._rollback_point
+        self._rollback_point = None
+        if length > self.length:
+            self._forward(self._embed(token_ids[: length - self.length]), last_only=True)
 
 
 def crop_cache(cache, length: int) -> None:

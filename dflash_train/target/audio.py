@@ -8,6 +8,7 @@ from typing import Iterator
 import torch
 
 from dflash_train.data.batch import SpeechBatch
+from dflash_train.errors import ConfigError
 from dflash_train.target.llm import FrozenLLM
 from dflash_train.target.splice import SplicedBatch, splice_audio_frames
 
@@ -35,6 +36,21 @@ class AudioLLM(FrozenLLM):
         for module in self.perception.modules():
             if getattr(module, "sync_max_audio_length", False):
                 module.sync_max_audio_length = False
+
+    @property
+    def audio_locator_tag(self) -> str:
+        """The placeholder token text that marks where an audio's frames go."""
+        raise NotImplementedError
+
+    def default_mask_token_id(self) -> int:
+        """The first embedding row past the tokenizer (as DFlash drafts for Qwen3 use); error if none is free."""
+        tokenizer = getattr(self.tokenizer, "tokenizer", self.tokenizer)  # NeMo's wrapper holds HF's tokenizer
+        if len(tokenizer) >= self.vocab_size:
+            raise ConfigError(
+                f"the target's embedding table ({self.vocab_size} rows) has no row past its tokenizer "
+                f"({len(tokenizer)} tokens); set dflash.mask_token_id to an unused token id"
+            )
+        return len(tokenizer)
 
     def run_perception_in(self, dtype: torch.dtype) -> "AudioLLM":
         """Run the audio encoder and projection in ``dtype`` and round their output to it.

@@ -9,7 +9,10 @@ import torch
 from torch import nn
 
 from dflash_train.target.base import TapOutput
-from dflash_train.target.taps import record_taps, tap_decoder
+from dflash_train.target.taps import record_taps, tap_decoder, tap_documents_apart
+
+RECURRENT = "linear_attention"
+"""HF's ``block_type`` of a decoder block with a recurrent state (Nemotron-H's Mamba-2 blocks among them)."""
 
 
 class FrozenLLM(nn.Module):
@@ -63,6 +66,15 @@ class FrozenLLM(nn.Module):
         return self.causal_lm.get_decoder()
 
     @property
+    def recurrent_block_ids(self) -> list[int]:
+        """Decoder blocks that carry a recurrent state along the sequence (Mamba-2, linear attention).
+
+        Their state cannot be fenced by an attention mask (packed documents) nor cropped like a KV
+        cache (rejected proposals); :meth:`forward_taps` and the reference decoder's session treat them.
+        """
+        return [i for i, layer in enumerate(self.decoder_layers) if getattr(layer, "block_type", None) == RECURRENT]
+
+    @property
     def decoder_layers(self) -> nn.ModuleList:
         return self.decoder.layers
 
@@ -99,7 +111,16 @@ class FrozenLLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> TapOutput:
-        """The outputs of decoder blocks ``layer_ids`` (see :func:`~dflash_train.target.taps.tap_decoder`)."""
+        """The outputs of decoder blocks ``layer_ids`` (see :func:`~dflash_train.target.taps.tap_decoder`).
+
+        Packed rows (``document_ids``) of a target with recurrent blocks run each document in a row of
+        its own (:func:`~dflash_train.target.taps.tap_documents_apart`): a document mask fences
+        attention but not a Mamba block's state, which would run on from one document into the next.
+        """
+        if document_ids is not None and self.recurrent_block_ids:
+            return tap_documents_apart(
+                self.decoder, self.decoder_layers, inputs_embeds, document_ids, layer_ids, return_last_hidden
+            )
         return tap_decoder(
             self.decoder,
             self.decoder_layers,

@@ -1,13 +1,18 @@
-"""From a validated recipe to a frozen target with checked taps and mask token."""
+"""From a recipe's ``model`` section to the frozen speech target: one router for training, evaluation and
+serving validation, then the tap ids and mask token a draft uses with it."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import NamedTuple
 
-from dflash_train.config.schema import RunConfig
+from dflash_train.config.schema import ModelConfig, RunConfig
 from dflash_train.config.validate import validate_against_target
-from dflash_train.target.salm import SALMTarget, load_salm, read_target_dims
+from dflash_train.errors import ConfigError
+from dflash_train.target.audio import AudioLLM
+from dflash_train.target.nemotron_h import NEMOTRON_H, NemotronHSpeechLMTarget, backbone_model_type
+from dflash_train.target.salm import SALMTarget, check_salm_checkpoint, load_salm, read_state_dict, read_target_dims
 from dflash_train.target.taps import derive_target_layer_ids
 
 log = logging.getLogger(__name__)
@@ -16,9 +21,43 @@ log = logging.getLogger(__name__)
 class LoadedTarget(NamedTuple):
     """The frozen target plus the tap ids and mask token id the draft will use."""
 
-    target: SALMTarget
+    target: AudioLLM
     layer_ids: list[int]
     mask_token_id: int
+
+
+def is_nemotron_h_speechlm(name: str | None) -> bool:
+    """Whether ``name`` is a local SpeechLM directory whose LLM backbone is Nemotron-H."""
+    return name is not None and Path(name).expanduser().is_dir() and backbone_model_type(Path(name).expanduser()) == NEMOTRON_H
+
+
+def open_speech_target(model: ModelConfig) -> AudioLLM:
+    """The frozen speech target ``model`` names, loaded strictly.
+
+    A directory whose ``llm_backbone`` is Nemotron-H (``SALMAutomodel``'s, in its native names or
+    HF's) becomes a :class:`~dflash_train.target.nemotron_h.NemotronHSpeechLMTarget`; every other
+    target is NeMo's ``SALM`` (:func:`~dflash_train.target.salm.load_salm`). Both take
+    ``audio_locator_tag``, ``encoder_chunk_size_seconds`` and ``init_from_checkpoint`` alike.
+    """
+    if not is_nemotron_h_speechlm(model.pretrained_name):
+        return SALMTarget(load_salm(model))
+    path = check_salm_checkpoint(model.pretrained_name, "model.pretrained_name")
+    target = NemotronHSpeechLMTarget.from_checkpoint(path)
+    if target.audio_locator_tag != model.audio_locator_tag:
+        raise ConfigError(
+            f"model.audio_locator_tag='{model.audio_locator_tag}' but the target uses '{target.audio_locator_tag}'; "
+            "make them equal"
+        )
+    if model.encoder_chunk_size_seconds is not None:
+        target.salm_config["encoder_chunk_size_seconds"] = model.encoder_chunk_size_seconds
+    if model.init_from_checkpoint is not None:
+        if not model.init_from_checkpoint_strict:
+            raise ConfigError(
+                "model.init_from_checkpoint_strict=false: a Nemotron-H SpeechLM target loads its weights strictly; "
+                "set it to true"
+            )
+        target.load_speechlm_weights(read_state_dict(Path(model.init_from_checkpoint)), model.init_from_checkpoint)
+    return target
 
 
 def load_target_for_run(run: RunConfig) -> LoadedTarget:
@@ -35,6 +74,6 @@ def load_target_for_run(run: RunConfig) -> LoadedTarget:
     else:
         layer_ids = list(d.target_layer_ids)
     validate_against_target(d, dims, layer_ids)
-    target = SALMTarget(load_salm(run.model))
+    target = open_speech_target(run.model)
     mask_token_id = d.mask_token_id if d.mask_token_id is not None else target.default_mask_token_id()
     return LoadedTarget(target, layer_ids, mask_token_id)

@@ -1,35 +1,46 @@
 """A SpeechLM with a Nemotron-H language model, read from its checkpoint files (NeMo's layout).
 
-NeMo's own SpeechLM MTP checkpoints pair NeMo's audio perception with a Nemotron-H LLM. NeMo 3.0's
-``SALM`` class cannot build that backbone (it expects ``model.embed_tokens``), so this target
-assembles the same model from the directory: NeMo's ``AudioPerceptionModule`` from the config's
-``perception`` block, Hugging Face's ``NemotronHForCausalLM`` from ``llm_backbone/config.json``,
-the tokenizer at the root, and the weights of ``model.safetensors`` under NeMo's names:
+NeMo's SpeechLMs with a Nemotron-H LLM (``SALMAutomodel`` and NeMo's SpeechLM MTP checkpoints) pair
+NeMo's audio perception with a hybrid LLM of Mamba-2 (``M``), attention (``*``), MLP (``-``) and
+MoE (``E``) blocks. NeMo 3.0's ``SALM`` class cannot build that backbone (it expects
+``model.embed_tokens``) and ``SALMAutomodel`` builds it only on a GPU (nemo_automodel's Mamba
+mixer needs the CUDA ``mamba_ssm`` kernels), so this target assembles the same model from the
+directory: NeMo's ``AudioPerceptionModule`` from the config's ``perception`` block, Hugging Face's
+``NemotronHForCausalLM`` from ``llm_backbone/config.json`` (PyTorch reference ops on CPU), the
+tokenizer at the root, and the weights of ``model.safetensors``. Two name sets are read:
 
-    perception.*                   the perception module
-    llm.model.embed_tokens.weight  the embedding table   (HF: model.embeddings.weight)
-    llm.model.layers.<i>.*         decoder blocks        (HF: model.layers.<i>.*)
-    llm.model.norm.weight          the final norm        (HF: model.norm_f.weight)
-    llm.lm_head.weight             the LM head
-    llm.mtp.*                      MTP heads: not the target's (:mod:`dflash_train.draft.mtp`)
+    NeMo / HF names                      SALMAutomodel's native names (nemo_automodel's modules)
+    llm.model.embed_tokens.weight        the same                      (HF: model.embeddings.weight)
+    llm.model.norm.weight                the same                      (HF: model.norm_f.weight)
+    ...mixer.{A_log,D,dt_bias}           ...mixer._fp32_params.{A_log,D,dt_bias}
+    ...experts.up_proj   [E, I, H]       ...experts.gate_and_up_projs [E, H, I]  (transposed)
+    ...experts.down_proj [E, H, I]       ...experts.down_projs        [E, I, H]  (transposed)
+    (none)                               ...._extra_state              (Transformer Engine's; dropped)
+    llm.mtp.*                            MTP heads: not the target's (:mod:`dflash_train.draft.mtp`)
 
-The reference decoder uses it for such a checkpoint; serving reads the same names (vLLM's loader,
-through NeMo's hybrid backend).
+The mapping is exact (nemo_automodel's own NemotronH, built on CPU with a Mamba-free pattern,
+gives the same logits as this target loaded from its state dict; tests/test_nemotron_h_target.py).
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from dflash_train.constants import CONFIG_FILE, LLM_BACKBONE_DIR, SAMPLE_RATE, WEIGHTS_FILE
+from dflash_train.constants import CONFIG_FILE, LLM_BACKBONE_DIR, MTP_WEIGHT_PREFIX, SAMPLE_RATE, WEIGHTS_FILE
 from dflash_train.errors import ConfigError
 from dflash_train.files import load_state_exactly, read_json_object
 from dflash_train.target.audio import AudioLLM
 
+log = logging.getLogger(__name__)
+
 NEMOTRON_H = "nemotron_h"
+_FP32_HOLDER = re.compile(r"\.mixer\._fp32_params\.")
+_PACKED_EXPERTS = {"gate_and_up_projs": "up_proj", "down_projs": "down_proj"}
 
 
 def backbone_model_type(checkpoint: str | Path) -> str | None:
@@ -40,28 +51,64 @@ def backbone_model_type(checkpoint: str | Path) -> str | None:
     return read_json_object(backbone, "rewrite the checkpoint with dflash-export-target").get("model_type")
 
 
-def _hf_name(name: str) -> str | None:
-    """The HF ``NemotronHForCausalLM`` name of a checkpoint tensor of the LLM (``None``: not the LLM's)."""
-    if name == "llm.lm_head.weight":
-        return "lm_head.weight"
-    if name == "llm.model.embed_tokens.weight":
-        return "model.embeddings.weight"
-    if name == "llm.model.norm.weight":
-        return "model.norm_f.weight"
-    if name.startswith("llm.model."):
-        return "model." + name[len("llm.model.") :]
-    return None
+def hf_llm_state(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The LLM tensors of a SpeechLM checkpoint (``llm.*``, MTP heads left out) under HF ``NemotronHForCausalLM``
+    names, from either name set (module docstring); Transformer Engine's ``_extra_state`` is dropped."""
+    state = {}
+    for name, tensor in weights.items():
+        if not name.startswith("llm.") or name.startswith(MTP_WEIGHT_PREFIX) or name.endswith("._extra_state"):
+            continue
+        name = _FP32_HOLDER.sub(".mixer.", name[len("llm.") :])
+        stem, _, leaf = name.rpartition(".")
+        if stem.endswith(".experts") and leaf in _PACKED_EXPERTS:
+            name, tensor = f"{stem}.{_PACKED_EXPERTS[leaf]}", tensor.transpose(1, 2)
+        elif name == "model.embed_tokens.weight":
+            name = "model.embeddings.weight"
+        elif name == "model.norm.weight":
+            name = "model.norm_f.weight"
+        state[name] = tensor.contiguous()
+    return state
+
+
+def native_llm_state(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An HF ``NemotronHForCausalLM`` state dict under ``SALMAutomodel``'s native checkpoint names (``llm.*``);
+    the inverse of :func:`hf_llm_state`, for writing checkpoints in that layout."""
+    native_leaf = {hf: native for native, hf in _PACKED_EXPERTS.items()}
+    state = {}
+    for name, tensor in hf_state.items():
+        stem, _, leaf = name.rpartition(".")
+        if stem.endswith(".mixer") and leaf in ("A_log", "D", "dt_bias"):
+            name = f"{stem}._fp32_params.{leaf}"
+        elif stem.endswith(".experts") and leaf in native_leaf:
+            name, tensor = f"{stem}.{native_leaf[leaf]}", tensor.transpose(1, 2)
+        elif name == "model.embeddings.weight":
+            name = "model.embed_tokens.weight"
+        elif name == "model.norm_f.weight":
+            name = "model.norm.weight"
+        state[f"llm.{name}"] = tensor.contiguous()
+    return state
+
+
+def mamba_implementation() -> str:
+    """Which code runs the Mamba blocks: the CUDA kernels when ``mamba_ssm`` and ``causal_conv1d`` import,
+    else HF's PyTorch reference ops (every CPU run)."""
+    from importlib.util import find_spec
+
+    if torch.cuda.is_available() and find_spec("mamba_ssm") and find_spec("causal_conv1d"):
+        return "mamba_ssm + causal_conv1d CUDA kernels"
+    return "PyTorch reference ops (HF transformers)"
 
 
 class NemotronHSpeechLMTarget(AudioLLM):
-    """NeMo's perception in front of a frozen Nemotron-H LLM (attention, MLP and Mamba blocks)."""
+    """NeMo's perception in front of a frozen Nemotron-H LLM (Mamba, attention, MLP and MoE blocks)."""
 
-    def __init__(self, llm: nn.Module, perception: nn.Module, tokenizer, salm_config: dict):
+    def __init__(self, llm: nn.Module, perception: nn.Module, tokenizer, salm_config: dict, source: Path):
         super().__init__()
         self.llm = llm
         self._perception = perception
         self._tokenizer = tokenizer
         self.salm_config = salm_config
+        self.source = source
         tag = salm_config["audio_locator_tag"]
         self._audio_locator_tag_id = int(tokenizer.convert_tokens_to_ids(tag))
         self.freeze()
@@ -84,15 +131,25 @@ class NemotronHSpeechLMTarget(AudioLLM):
             raise ConfigError(f"{path} has a {backbone.model_type!r} backbone, not Nemotron-H: load it as a SALM")
         weights = load_file(str(path / WEIGHTS_FILE))
         llm = NemotronHForCausalLM(backbone).to(torch.float32)
-        llm_weights = {_hf_name(k): v for k, v in weights.items() if _hf_name(k) is not None}
-        load_state_exactly(llm, llm_weights, path / WEIGHTS_FILE, "llm.*")
         perception = AudioPerceptionModule(DictConfig(config["perception"]))
-        perception_weights = {k[len("perception.") :]: v for k, v in weights.items() if k.startswith("perception.")}
-        load_state_exactly(perception, perception_weights, path / WEIGHTS_FILE, "perception.*")
         tokenizer = AutoTokenizer.from_pretrained(path)
         if config["audio_locator_tag"] not in tokenizer.get_vocab():
             raise ConfigError(f"the tokenizer of {path} has no {config['audio_locator_tag']!r} token")
-        return cls(llm, perception, tokenizer, config)
+        target = cls(llm, perception, tokenizer, config, path)
+        target.load_speechlm_weights(weights, path / WEIGHTS_FILE)
+        log.info(
+            "target: Nemotron-H SpeechLM %s (blocks %s); Mamba blocks run on %s",
+            path,
+            getattr(backbone, "hybrid_override_pattern", "?"),
+            mamba_implementation(),
+        )
+        return target
+
+    def load_speechlm_weights(self, weights: dict[str, torch.Tensor], source: str | Path) -> None:
+        """Load a SpeechLM state dict strictly: ``perception.*`` and ``llm.*`` (either name set, MTP heads left out)."""
+        perception = {k[len("perception.") :]: v for k, v in weights.items() if k.startswith("perception.")}
+        load_state_exactly(self._perception, perception, source, "perception.*")
+        load_state_exactly(self.llm, hf_llm_state(weights), source, "llm.*")
 
     @property
     def causal_lm(self) -> nn.Module:
@@ -109,6 +166,10 @@ class NemotronHSpeechLMTarget(AudioLLM):
     @property
     def encoder_chunk_size_seconds(self) -> float | None:
         return self.salm_config.get("encoder_chunk_size_seconds")
+
+    @property
+    def audio_locator_tag(self) -> str:
+        return self.salm_config["audio_locator_tag"]
 
     @property
     def sampling_rate(self) -> int:

@@ -72,15 +72,10 @@ class SALMTarget(AudioLLM):
     def encoder_chunk_size_seconds(self) -> float | None:
         return self.salm.cfg.get("encoder_chunk_size_seconds", None)
 
-    def default_mask_token_id(self) -> int:
-        """The first embedding row past the tokenizer (as DFlash drafts for Qwen3 use); error if none is free."""
-        tokenizer_len = len(self.tokenizer.tokenizer)
-        if tokenizer_len >= self.vocab_size:
-            raise ConfigError(
-                f"the target's embedding table ({self.vocab_size} rows) has no row past its tokenizer "
-                f"({tokenizer_len} tokens); set dflash.mask_token_id to an unused token id"
-            )
-        return tokenizer_len
+    @property
+    def audio_locator_tag(self) -> str:
+        return str(self.salm.audio_locator_tag)
+
 
 def _llm_config_for(model: ModelConfig):
     """The target LLM's HF config, read from files only (no weights are built)."""
@@ -194,7 +189,9 @@ def _check_all_but_mtp_loaded(salm: nn.Module, stored: set[str], name: str) -> N
         raise _mismatch(name, f"missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of ``model.init_from_checkpoint``: a .safetensors file, a directory holding one, or a torch
+    checkpoint of tensors only (a Lightning ``state_dict`` is unwrapped)."""
     from safetensors.torch import load_file
 
     if path.is_dir():
@@ -217,7 +214,7 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 def load_weights_strictly(module: nn.Module, path: str | Path, strict: bool = True) -> None:
     """Load ``path`` into ``module``; with ``strict`` any missing, unexpected or mis-shaped key is an error."""
-    state = _read_state_dict(Path(path))
+    state = read_state_dict(Path(path))
     own = module.state_dict()
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))

@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+from dflash_train.data.packing import document_layout
 from dflash_train.errors import ConfigError
 from dflash_train.target.base import TapOutput
 
@@ -140,3 +141,38 @@ def tap_decoder(
         )
         features = taps.features()
     return TapOutput(features, out.last_hidden_state if return_last_hidden else None)
+
+
+def tap_documents_apart(
+    decoder: nn.Module,
+    layers: nn.ModuleList,
+    inputs_embeds: torch.Tensor,
+    document_ids: torch.Tensor,
+    layer_ids: Sequence[int],
+    return_last_hidden: bool = False,
+) -> TapOutput:
+    """:func:`tap_decoder` on packed rows, every document run in a right-padded row of its own.
+
+    Exact for blocks that carry state along the sequence (Mamba-2): each document starts from a
+    zero state, as it would alone, and right padding cannot reach earlier positions of a causal
+    model. The outputs are scattered back to the packed positions (zeros on padding).
+    """
+    rows, columns = (document_ids >= 0).nonzero(as_tuple=True)
+    offsets = document_ids.max() + 1
+    documents, which = torch.unique(rows * offsets + document_ids[rows, columns], return_inverse=True)
+    within = document_layout(document_ids).position_ids[rows, columns]
+    width = int(within.max()) + 1 if len(within) else 1
+    alone = inputs_embeds.new_zeros(len(documents), width, inputs_embeds.shape[-1])
+    alone[which, within] = inputs_embeds[rows, columns]
+    mask = torch.zeros(len(documents), width, dtype=torch.long, device=inputs_embeds.device)
+    mask[which, within] = 1
+    out = tap_decoder(decoder, layers, alone, mask, layer_ids, return_last_hidden=return_last_hidden)
+
+    def packed(unpacked: torch.Tensor | None) -> torch.Tensor | None:
+        if unpacked is None:
+            return None
+        result = unpacked.new_zeros(*document_ids.shape, unpacked.shape[-1])
+        result[rows, columns] = unpacked[which, within]
+        return result
+
+    return TapOutput(packed(out.features), packed(out.last_hidden))

