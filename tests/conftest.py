@@ -51,6 +51,27 @@ def tiny_salm_dir(tmp_path_factory) -> Path:
     return build_tiny_salm(tmp_path_factory.mktemp("tiny_salm"))
 
 
+HYBRID_PATTERN = "M*-EM*ME"
+"""The tiny Nemotron-H target's blocks: Mamba-2, attention, MLP and MoE, each kind twice or more."""
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dir(tmp_path_factory) -> Path:
+    """A tiny Nemotron-H SpeechLM in SALMAutomodel's native names (M, *, -, E blocks), the tiny SALM's tokenizer."""
+    from dflash_train.testing.tiny_mtp_salm import TinyMTPSpec, build_tiny_mtp_salm
+
+    spec = TinyMTPSpec(backbone_pattern=HYBRID_PATTERN, native_names=True)
+    return build_tiny_mtp_salm(tmp_path_factory.mktemp("tiny_hybrid") / "target", spec)
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_target(tiny_hybrid_dir):
+    from dflash_train.config.schema import ModelConfig
+    from dflash_train.target import open_speech_target
+
+    return open_speech_target(ModelConfig(pretrained_name=str(tiny_hybrid_dir)))
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tiny_salm_dir):
     from nemo.collections.speechlm2.models import SALM

@@ -39,12 +39,19 @@ class DraftSpec:
 
 
 def build_draft_config(target_llm_config, spec: DraftSpec, attention_backend: str):
-    """A Qwen3 config for the draft: the target's shape (hidden size, heads, vocab), draft depth."""
+    """A Qwen3 config for the draft: the target's shape (hidden size, heads, vocab), draft depth.
+
+    Only keys a Qwen3 config defines are taken from the target, so a hybrid target's own keys
+    (Nemotron-H's block pattern, Mamba and expert sizes) never reach the draft's ``config.json``;
+    a norm epsilon under another name (Nemotron-H's ``layer_norm_epsilon``) is carried over.
+    """
     from transformers import Qwen3Config
 
-    text = target_llm_config.get_text_config().to_dict()
-    for key in ("architectures", "auto_map", "layer_types", "max_window_layers", "_name_or_path", "model_type"):
-        text.pop(key, None)
+    target = target_llm_config.get_text_config().to_dict()
+    own = set(Qwen3Config().to_dict()) - {"architectures", "layer_types", "max_window_layers", "_name_or_path", "model_type"}
+    text = {key: value for key, value in target.items() if key in own}
+    if "rms_norm_eps" not in target and "layer_norm_epsilon" in target:
+        text["rms_norm_eps"] = target["layer_norm_epsilon"]
     depth = spec.cfg.draft_num_hidden_layers
     text.update(spec.cfg.draft_model_config)
     text.update(
