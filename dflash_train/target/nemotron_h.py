@@ -100,7 +100,11 @@ def mamba_implementation() -> str:
 
 
 class NemotronHSpeechLMTarget(AudioLLM):
-    """NeMo's perception in front of a frozen Nemotron-H LLM (Mamba, attention, MLP and MoE blocks)."""
+    """NeMo's perception in front of a frozen Nemotron-H LLM (Mamba, attention, MLP and MoE blocks).
+
+    ``tokenizer`` is NeMo's ``AutoTokenizer`` (the text side of the data pipeline reads it as it reads
+    SALM's).
+    """
 
     def __init__(self, llm: nn.Module, perception: nn.Module, tokenizer, salm_config: dict, source: Path):
         super().__init__()
@@ -110,7 +114,7 @@ class NemotronHSpeechLMTarget(AudioLLM):
         self.salm_config = salm_config
         self.source = source
         tag = salm_config["audio_locator_tag"]
-        self._audio_locator_tag_id = int(tokenizer.convert_tokens_to_ids(tag))
+        self._audio_locator_tag_id = int(tokenizer.token_to_id(tag))
         self.freeze()
 
     @classmethod
@@ -119,7 +123,8 @@ class NemotronHSpeechLMTarget(AudioLLM):
         from nemo.collections.speechlm2.modules import AudioPerceptionModule
         from omegaconf import DictConfig
         from safetensors.torch import load_file
-        from transformers import AutoConfig, AutoTokenizer, NemotronHForCausalLM
+        from nemo.collections.common.tokenizers import AutoTokenizer
+        from transformers import AutoConfig, NemotronHForCausalLM
 
         path = Path(path)
         config = read_json_object(path / CONFIG_FILE, "point --target at a SpeechLM checkpoint directory")
@@ -132,9 +137,9 @@ class NemotronHSpeechLMTarget(AudioLLM):
         weights = load_file(str(path / WEIGHTS_FILE))
         llm = NemotronHForCausalLM(backbone).to(torch.float32)
         perception = AudioPerceptionModule(DictConfig(config["perception"]))
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        if config["audio_locator_tag"] not in tokenizer.get_vocab():
-            raise ConfigError(f"the tokenizer of {path} has no {config['audio_locator_tag']!r} token")
+        # NeMo's tokenizer, built as SALM builds its own: the checkpoint's, with the audio tag as a special token
+        tokenizer = AutoTokenizer(str(path), use_fast=True)
+        tokenizer.add_special_tokens({"additional_special_tokens": [config["audio_locator_tag"]]})
         target = cls(llm, perception, tokenizer, config, path)
         target.load_speechlm_weights(weights, path / WEIGHTS_FILE)
         log.info(
@@ -181,4 +186,7 @@ class NemotronHSpeechLMTarget(AudioLLM):
 
     @property
     def pad_id(self) -> int:
-        return int(self._tokenizer.pad_token_id)
+        """The pad id NeMo's SpeechLMs use (``get_pad_id``: the tokenizer's pad, else its unk)."""
+        from nemo.collections.speechlm2.data.utils import get_pad_id
+
+        return int(get_pad_id(self._tokenizer))
