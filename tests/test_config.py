@@ -178,7 +178,8 @@ def test_draft_model_config_passes_non_managed_keys():
 
 SHIPPED_YAML = {
     "demo.yaml", "dflash.yaml", "dflash_local.yaml", "data/lhotse.yaml", "dflash/dflash.yaml", "dflash/dflash2.yaml", "dflash/mtp.yaml",
-    "exp_manager/default.yaml", "model/salm.yaml", "trainer/cpu.yaml", "trainer/default.yaml",
+    "exp_manager/default.yaml", "model/salm.yaml", "model/salm_automodel.yaml", "trainer/cpu.yaml",
+    "trainer/default.yaml",
 }
 
 

@@ -115,7 +115,7 @@ class DatasetConfig:
 class DataConfig:
     """Speech conversation data: prompt format, training inputs and named validation sets."""
 
-    prompt_format: Optional[str] = None  # null: model.prompt_format (NeMo's key), else DEFAULT_PROMPT_FORMAT
+    prompt_format: Optional[str] = DEFAULT_PROMPT_FORMAT  # the recipe's null: model.prompt_format, else the default
     system_prompt: Optional[str] = None
     train_ds: DatasetConfig = field(default_factory=DatasetConfig)
     validation_ds: Optional[DatasetConfig] = None

@@ -120,6 +120,7 @@ def _check_split(ds: DatasetConfig, key: str) -> None:
 
 def check_data_rules(cfg: DataConfig) -> None:
     """Cross-field rules of the ``data`` section (no file system access)."""
+    _require(cfg.prompt_format is not None, f"data.prompt_format is not set; choose one of {sorted(PROMPT_FORMATS)}")
     _require(
         cfg.prompt_format in PROMPT_FORMATS,
         f"data.prompt_format='{cfg.prompt_format}' is unknown; choose one of {sorted(PROMPT_FORMATS)}",
