@@ -47,6 +47,9 @@ class FrozenTarget(Protocol):
     def llm_config(self) -> Any: ...
 
     @property
+    def recurrent_block_ids(self) -> list[int]: ...
+
+    @property
     def tokenizer(self) -> Any: ...
 
     @property

@@ -25,7 +25,6 @@ gives the same logits as this target loaded from its state dict; tests/test_nemo
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 import torch
@@ -39,8 +38,14 @@ from dflash_train.target.audio import AudioLLM
 log = logging.getLogger(__name__)
 
 NEMOTRON_H = "nemotron_h"
-_FP32_HOLDER = re.compile(r"\.mixer\._fp32_params\.")
-_PACKED_EXPERTS = {"gate_and_up_projs": "up_proj", "down_projs": "down_proj"}
+_NAME_ENDS = (  # (SALMAutomodel's native name end, HF's name end, whether the tensor is stored transposed)
+    (".mixer._fp32_params.A_log", ".mixer.A_log", False),
+    (".mixer._fp32_params.D", ".mixer.D", False),
+    (".mixer._fp32_params.dt_bias", ".mixer.dt_bias", False),
+    (".experts.gate_and_up_projs", ".experts.up_proj", True),
+    (".experts.down_projs", ".experts.down_proj", True),
+)
+_WHOLE_NAMES = (("model.embed_tokens.weight", "model.embeddings.weight"), ("model.norm.weight", "model.norm_f.weight"))
 
 
 def backbone_model_type(checkpoint: str | Path) -> str | None:
@@ -51,41 +56,45 @@ def backbone_model_type(checkpoint: str | Path) -> str | None:
     return read_json_object(backbone, "rewrite the checkpoint with dflash-export-target").get("model_type")
 
 
+def _translated(name: str, tensor: torch.Tensor, to_hf: bool, layout: bool = True) -> tuple[str, torch.Tensor]:
+    """One LLM tensor (name without ``llm.``) renamed between the two name sets (module docstring), in either
+    direction; without ``layout`` only the renames that keep the tensor's layout apply."""
+    for native, hf, transposed in _NAME_ENDS:
+        source, target = (native, hf) if to_hf else (hf, native)
+        if name.endswith(source) and (layout or not transposed):
+            return name[: -len(source)] + target, tensor.transpose(1, 2) if transposed else tensor
+    for native, hf in _WHOLE_NAMES if layout else ():
+        if name == (native if to_hf else hf):
+            return (hf if to_hf else native), tensor
+    return name, tensor
+
+
+def without_native_holders(name: str) -> str | None:
+    """A checkpoint tensor's name without nemo_automodel's ``_fp32_params`` holder; ``None`` for Transformer
+    Engine's ``_extra_state`` (no weight). Packed experts keep their names (their layout is the reader's)."""
+    if name.endswith("._extra_state"):
+        return None
+    return _translated(name, torch.empty(0), to_hf=True, layout=False)[0]
+
+
 def hf_llm_state(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The LLM tensors of a SpeechLM checkpoint (``llm.*``, MTP heads left out) under HF ``NemotronHForCausalLM``
     names, from either name set (module docstring); Transformer Engine's ``_extra_state`` is dropped."""
     state = {}
     for name, tensor in weights.items():
-        if not name.startswith("llm.") or name.startswith(MTP_WEIGHT_PREFIX) or name.endswith("._extra_state"):
-            continue
-        name = _FP32_HOLDER.sub(".mixer.", name[len("llm.") :])
-        stem, _, leaf = name.rpartition(".")
-        if stem.endswith(".experts") and leaf in _PACKED_EXPERTS:
-            name, tensor = f"{stem}.{_PACKED_EXPERTS[leaf]}", tensor.transpose(1, 2)
-        elif name == "model.embed_tokens.weight":
-            name = "model.embeddings.weight"
-        elif name == "model.norm.weight":
-            name = "model.norm_f.weight"
-        state[name] = tensor.contiguous()
+        if name.startswith("llm.") and not name.startswith(MTP_WEIGHT_PREFIX) and not name.endswith("._extra_state"):
+            hf_name, hf_tensor = _translated(name[len("llm.") :], tensor, to_hf=True)
+            state[hf_name] = hf_tensor.contiguous()
     return state
 
 
 def native_llm_state(hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """An HF ``NemotronHForCausalLM`` state dict under ``SALMAutomodel``'s native checkpoint names (``llm.*``);
     the inverse of :func:`hf_llm_state`, for writing checkpoints in that layout."""
-    native_leaf = {hf: native for native, hf in _PACKED_EXPERTS.items()}
     state = {}
     for name, tensor in hf_state.items():
-        stem, _, leaf = name.rpartition(".")
-        if stem.endswith(".mixer") and leaf in ("A_log", "D", "dt_bias"):
-            name = f"{stem}._fp32_params.{leaf}"
-        elif stem.endswith(".experts") and leaf in native_leaf:
-            name, tensor = f"{stem}.{native_leaf[leaf]}", tensor.transpose(1, 2)
-        elif name == "model.embeddings.weight":
-            name = "model.embed_tokens.weight"
-        elif name == "model.norm_f.weight":
-            name = "model.norm.weight"
-        state[f"llm.{name}"] = tensor.contiguous()
+        native_name, native_tensor = _translated(name, tensor, to_hf=False)
+        state[f"llm.{native_name}"] = native_tensor.contiguous()
     return state
 
 

@@ -15,6 +15,11 @@ The directory is vLLM-ready (serve it with ``{"method": "mtp", "num_speculative_
 :func:`~dflash_train.testing.tiny_salm.build_tiny_salm`) with the same MTP heads stored beside it
 (what training MTP heads for such a target produces), made vLLM-ready by ``dflash-export-target``.
 
+``--backbone-pattern`` takes Nemotron-H's block kinds ``M`` (Mamba-2), ``*`` (attention), ``-`` (MLP)
+and ``E`` (MoE); ``--native-names`` writes the LLM under ``SALMAutomodel``'s native names
+(nemo_automodel's ``mixer._fp32_params.*``, packed ``gate_and_up_projs`` / ``down_projs`` experts and a
+Transformer Engine ``_extra_state``), the layout the runbook's targets are stored in.
+
 ``--heads N`` sets ``mtp.num_nextn_predict_layers``; the default stores one MTP step
 (``use_repeated_layer: true``, the layer the trainer applied N times), ``--distinct`` stores N
 separate steps (``use_repeated_layer: false``), which the plugin refuses to serve. ``--echo``

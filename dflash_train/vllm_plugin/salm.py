@@ -13,7 +13,8 @@ stated on it:
 - NeMo's multimodal processor on vLLM >= 0.32's token-id API (see
   :class:`TokenIdAudioProcessor`); older vLLM keeps NeMo's processor unchanged;
 - a checkpoint's MTP weights (``llm.mtp.*``) are left to the MTP draft
-  (:mod:`dflash_train.vllm_plugin.salm_mtp`): NeMo 3.0.0 would hand them to the LLM loader.
+  (:mod:`dflash_train.vllm_plugin.salm_mtp`): NeMo 3.0.0 would hand them to the LLM loader;
+- ``SALMAutomodel``'s native names (``mixer._fp32_params.*``, ``_extra_state``) are read.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from vllm.multimodal.processing import PromptReplacement, PromptUpdate
 from vllm.tokenizers.registry import cached_tokenizer_from_config
 
 from dflash_train.constants import MTP_WEIGHT_PREFIX
+from dflash_train.target.nemotron_h import without_native_holders
 from dflash_train.vllm_plugin.backbone import require_aux_hidden_states
 
 # vLLM 0.32 tokenizes prompts before multimodal processing (vLLM PRs #53093, #53275, #53610):
@@ -125,5 +127,11 @@ class DFlashSALMForConditionalGeneration(NeMoSpeechLMForConditionalGeneration, S
         return require_aux_hidden_states(self.language_model).get_eagle3_default_aux_hidden_state_layers()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """NeMo's loading of the SALM weights, without the MTP heads (the draft model loads those)."""
-        return super().load_weights((name, tensor) for name, tensor in weights if not name.startswith(MTP_WEIGHT_PREFIX))
+        """NeMo's loading of the SALM weights, without the MTP heads (the draft model loads those), and with
+        ``SALMAutomodel``'s native names read: NeMo 3.0.0's mapper splits packed experts but does not know
+        nemo_automodel's ``mixer._fp32_params`` holder nor Transformer Engine's ``_extra_state``."""
+        return super().load_weights(
+            (canonical, tensor)
+            for name, tensor in weights
+            if not name.startswith(MTP_WEIGHT_PREFIX) and (canonical := without_native_holders(name)) is not None
+        )
