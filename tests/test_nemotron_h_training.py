@@ -113,7 +113,7 @@ exp_manager: {{explicit_log_dir: {run_dir}}}
     report = tmp_path / "eval.json"
     proc = subprocess.run(
         [str(BIN / "dflash-eval"), "--target", str(tiny_hybrid_dir), "--draft", str(run_dir / "export"),
-         "--cuts", str(val_cuts), "--limit", "2", "--max-new-tokens", "16", "--prompt-format", "nemotron_nano_v3",
+         "--cuts", str(val_cuts), "--limit", "1", "--max-new-tokens", "16", "--prompt-format", "nemotron_nano_v3",
          "--json", str(report)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
     )

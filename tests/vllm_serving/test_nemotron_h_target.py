@@ -53,10 +53,16 @@ def _reference(target: Path, drafts: dict, validation_cuts: Path, count: int):
     return report
 
 
+@pytest.fixture(scope="module")
+def target_only(native_targets, requests_) -> dict:
+    """vLLM's target-only runs of both backbones (float32), by pattern."""
+    return {pattern: serve(target, requests_, MAX_TOKENS, dtype=PARITY_DTYPE) for pattern, target in native_targets.items()}
+
+
 @pytest.mark.parametrize("pattern", ["****", "M*M*"])
-def test_a_native_names_target_serves_what_the_reference_decodes(pattern, native_targets, requests_,
+def test_a_native_names_target_serves_what_the_reference_decodes(pattern, native_targets, requests_, target_only,
                                                                 validation_cuts):
-    served = serve(native_targets[pattern], requests_, MAX_TOKENS, dtype=PARITY_DTYPE)
+    served = target_only[pattern]
     report = _reference(native_targets[pattern], {}, validation_cuts, len(requests_))
     assert [s.id for s in report.samples] == [r.id for r in requests_]
     assert first_mismatches(served.token_ids, [s.target.token_ids for s in report.samples]) == {}
@@ -84,14 +90,13 @@ def trained_dflash_for_nemotron_h(native_targets, tmp_path_factory) -> Path:
 
 
 def test_a_dflash_draft_for_a_nemotron_h_target_serves_greedy_equal_with_exact_counters(
-        native_targets, requests_, validation_cuts, trained_dflash_for_nemotron_h, serving_reports):
+        native_targets, requests_, target_only, validation_cuts, trained_dflash_for_nemotron_h, serving_reports):
     from dflash_train.evaluate.run import DRAFT
 
     target, export = native_targets["****"], trained_dflash_for_nemotron_h
-    target_only = serve(target, requests_, MAX_TOKENS, dtype=PARITY_DTYPE)
     speculative = serve(target, requests_, MAX_TOKENS, draft=export, num_speculative_tokens=K, dtype=PARITY_DTYPE)
     report = _reference(target, {DRAFT: str(export)}, validation_cuts, len(requests_))
-    assert first_mismatches(speculative.token_ids, target_only.token_ids) == {}
+    assert first_mismatches(speculative.token_ids, target_only["****"].token_ids) == {}
     assert first_mismatches(speculative.token_ids, [s.drafts[DRAFT].token_ids for s in report.samples]) == {}
     reference, counters = report.counters(DRAFT), speculative.counters
     serving_reports.append(
