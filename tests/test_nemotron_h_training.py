@@ -53,6 +53,8 @@ def test_each_variant_trains_and_its_export_reloads_strictly(tiny_hybrid_dir, ti
     assert validated.run.data.prompt_format == "nemotron_nano_v3"  # salm_automodel's prompt_format, NeMo's spelling
     summary = train(validated)
     assert summary.steps == 4 and summary.train_loss is not None and summary.val_loss is not None
+    # the demo recipe's serving validation decoded on the Mamba target (the session's restore and replay)
+    assert summary.val_serving_mal is not None and summary.val_serving_mal >= 1.0
     if variant == "mtp":
         step, heads = load_mtp_heads(str(summary.export_dir), tiny_hybrid_target, "cpu", "float32")
         assert heads == validated.run.dflash.num_nextn_predict_layers
