@@ -106,6 +106,12 @@ def compose(config_name: str = "dflash", overrides: list[str] | None = None):
     return compose_config(config_name, overrides or [])
 
 
+def worst_difference(ours: dict, ref: dict) -> float:
+    """Largest elementwise |ours - ref| over two state dicts of the same names (compared in float32)."""
+    assert ours.keys() == ref.keys() and ref, f"compared {len(ours)} against {len(ref)} tensors"
+    return max((ours[k].float() - ref[k].float()).abs().max().item() for k in ref)
+
+
 def same_tensors(a: dict, b: dict) -> bool:
     """Two state dicts hold the same names and bit-equal tensors; two empty dicts are an error, not a match."""
     assert a and a.keys() == b.keys(), f"compared {len(a)} against {len(b)} tensors: {sorted(set(a) ^ set(b))[:5]}"
@@ -239,4 +245,4 @@ class ResumeComparison:
         keys = sorted(keys if keys is not None else self.straight_weights)
         assert keys and self.resumed_weights.keys() == self.straight_weights.keys()
         assert any(not torch.equal(self.straight_weights[k], self.at_stop[k]) for k in keys), "the resumed steps did not train"
-        return max((self.straight_weights[k] - self.resumed_weights[k]).abs().max().item() for k in keys)
+        return worst_difference({k: self.resumed_weights[k] for k in keys}, {k: self.straight_weights[k] for k in keys})

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_launcher
+from conftest import run_launcher, worst_difference
 from safetensors.torch import load_file
 
 HERE = Path(__file__).parent
@@ -33,11 +33,6 @@ def wavs(speech_files, tmp_path_factory):
 
 def _weights(run_dir: Path) -> dict:
     return load_file(str(run_dir / "export" / "model.safetensors"))
-
-
-def _worst_difference(ours: dict, ref: dict) -> float:
-    assert ours.keys() == ref.keys() and ref
-    return max((ours[k] - ref[k]).abs().max().item() for k in ref)
 
 
 # Plain SGD, so the weights carry any error in the gradient's scale (AdamW would normalise it away).
@@ -69,7 +64,7 @@ def test_two_ranks_match_one(single, tiny_salm_dir, wavs, tmp_path, strategy, va
     assert metrics[0]["train_loss"] == pytest.approx(metrics[1]["train_loss"], abs=1e-6)
     assert metrics[0]["train_loss"] == pytest.approx(single_metrics[0]["train_loss"], rel=1e-5)
     assert metrics[0]["val_loss"] == pytest.approx(single_metrics[0]["val_loss"], rel=1e-5)
-    worst = _worst_difference(_weights(tmp_path), _weights(single_dir))
+    worst = worst_difference(_weights(tmp_path), _weights(single_dir))
     print(f"\n{strategy}/{variant}: 2 ranks vs 1 process after 2 SGD steps: max |dw| = {worst:.3g}")
     assert worst < 1e-6, f"{strategy}/{variant}: weights after 2 SGD steps differ from one process by {worst}"
 
@@ -82,10 +77,10 @@ def test_serving_anchors_keep_two_fsdp2_ranks_equal_to_one_process(tiny_salm_dir
     one = _launch(tmp_path / "one", tiny_salm_dir, "ddp", "dflash", 1, wavs, *flags)
     two = _launch(tmp_path / "two", tiny_salm_dir, "fsdp2", "dflash", 2, wavs, *flags)
     assert one[0]["train_loss"] == pytest.approx(two[0]["train_loss"], rel=1e-5)
-    worst = _worst_difference(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
+    worst = worst_difference(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
     assert worst < 1e-6, f"serving anchors: 2 ranks differ from one process by {worst}"
     _launch(tmp_path / "plain", tiny_salm_dir, "ddp", "dflash", 1, wavs, *SGD)
-    assert _worst_difference(_weights(tmp_path / "plain"), _weights(tmp_path / "one")) > 0, "the option did nothing"
+    assert worst_difference(_weights(tmp_path / "plain"), _weights(tmp_path / "one")) > 0, "the option did nothing"
 
 
 NO_ANCHOR_FLAGS = ("--unsupervised", "2,3", "--sgd", "0.5", "--steps", "2")
@@ -105,7 +100,7 @@ def test_a_rank_without_anchor_runs_the_same_collectives_and_matches_one_process
     two = _launch(tmp_path / "two", tiny_salm_dir, strategy, "dflash", 2, wavs, *NO_ANCHOR_FLAGS, timeout=240)
     assert two[0]["steps"] == two[1]["steps"] == single[0]["steps"] == 2
     assert two[0]["train_loss"] == pytest.approx(single[0]["train_loss"], rel=1e-5)
-    worst = _worst_difference(_weights(tmp_path / "two"), _weights(one_dir))
+    worst = worst_difference(_weights(tmp_path / "two"), _weights(one_dir))
     assert worst < 1e-6, f"{strategy}: weights differ from one process by {worst}"
 
 
@@ -116,6 +111,6 @@ def test_two_fsdp2_ranks_accumulating_two_micro_batches_match_one_process(tiny_s
     one = _launch(tmp_path / "one", tiny_salm_dir, "ddp", "dflash2", 1, wavs, *flags)
     two = _launch(tmp_path / "two", tiny_salm_dir, "fsdp2", "dflash2", 2, wavs, *flags)
     assert one[0]["steps"] == two[0]["steps"] == 2
-    worst = _worst_difference(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
+    worst = worst_difference(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
     print(f"\nfsdp2/dflash2, accumulate 2: 2 ranks vs 1 process: max |dw| = {worst:.3g}")
     assert worst < 1e-6, f"accumulation: 2 ranks differ from one process by {worst}"

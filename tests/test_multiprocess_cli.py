@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, run_launcher
+from conftest import REPO_ROOT, run_launcher, worst_difference
 from safetensors.torch import load_file
 
 BIN = Path(sys.executable).parent
@@ -299,18 +299,13 @@ def _check_preempted_then_resume(output: str, signame: str, command: list[str], 
     return stopped_at
 
 
-def _worst(ours: dict, ref: dict) -> float:
-    assert ours.keys() == ref.keys() and ref
-    return max((ours[k].float() - ref[k].float()).abs().max().item() for k in ref)
-
-
 def test_sigterm_under_fsdp2_with_workers_resumes_to_the_uninterrupted_weights(straight, tiny_salm_dir, cuts,
                                                                                 tmp_path):
     run_dir = tmp_path / "run"
     command = _command(tiny_salm_dir, cuts, run_dir, tmp_path / "exp")
     output = _preempt(command, tmp_path / "preempted.log", signal.SIGTERM)
     stopped_at = _check_preempted_then_resume(output, "SIGTERM", command, run_dir)
-    worst = _worst(_export_weights(run_dir), _export_weights(straight[0]))
+    worst = worst_difference(_export_weights(run_dir), _export_weights(straight[0]))
     print(f"\nSIGTERM at step {stopped_at} + resume vs uninterrupted (FSDP2, 2 workers, bf16): max |dw| = {worst:.3g}")
     assert worst == 0.0  # same ops on the same data in the same order: bit-equal
 
@@ -330,7 +325,7 @@ def test_sigusr1_with_gradient_accumulation_resumes_to_the_uninterrupted_weights
     command = _command(tiny_salm_dir, cuts, run_dir, tmp_path / "exp1", ACCUMULATE)
     output = _preempt(command, tmp_path / "preempted.log", signal.SIGUSR1)
     stopped_at = _check_preempted_then_resume(output, "SIGUSR1", command, run_dir)
-    worst = _worst(_export_weights(run_dir), _export_weights(straight_dir))
+    worst = worst_difference(_export_weights(run_dir), _export_weights(straight_dir))
     print(f"\nSIGUSR1 at step {stopped_at} + resume vs uninterrupted (accumulate 2): max |dw| = {worst:.3g}")
     assert worst == 0.0
 

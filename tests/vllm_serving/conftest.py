@@ -92,6 +92,19 @@ def trained_exports() -> dict[str, Path]:
     return found
 
 
+def check_counter_parity(title: str, reference, served, reports: list[str]) -> None:
+    """The reference decoder's counters equal vLLM's exactly (rounds and accepted per position), with hits
+    and misses to compare; the pair is added to the printed serving ``reports``."""
+    reports.append(
+        f"{title} (float32): reference decoder {reference.accepted} accepted / {reference.rounds} rounds, "
+        f"per position {reference.accepted_per_position}; vLLM {served.accepted} / {served.rounds}, "
+        f"per position {served.accepted_per_position}"
+    )
+    assert reference.accepted > 0 and reference.accepted < reference.proposed, "parity needs hits and misses"
+    assert (reference.rounds, list(reference.accepted_per_position)) == (
+        served.rounds, list(served.accepted_per_position))
+
+
 def missing_trained(message: str) -> None:
     """A trained export is missing: fail under ``DFLASH_VLLM_REQUIRE_TRAINED=1`` (CI), else skip with ``message``."""
     if os.environ.get("DFLASH_VLLM_REQUIRE_TRAINED") == "1":

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import check_counter_parity
+
 from dflash_train.testing.tiny_mtp_salm import TinyMTPSpec, build_tiny_mtp_salm
 from dflash_train.vllm_plugin import mtp, register
 from dflash_train.vllm_plugin.acceptance import first_mismatches
@@ -387,16 +389,7 @@ def _served_and_reference(target: Path, requests, k: int, validation_cuts: Path)
 def test_dflash_eval_reproduces_vllms_mtp_tokens_and_counters(name, k, checkpoints, requests_, validation_cuts,
                                                               serving_reports):
     reference, counters = _served_and_reference(checkpoints[name], requests_, k, validation_cuts)
-    serving_reports.append(
-        f"MTP parity, {name}, K={k} (float32): reference decoder {reference.accepted} accepted / {reference.rounds} rounds, "
-        f"per position {reference.accepted_per_position}; vLLM {counters.accepted} / {counters.rounds}, "
-        f"per position {counters.accepted_per_position}"
-    )
-    assert reference.accepted > 0 and reference.accepted < reference.proposed, "parity needs hits and misses"
-    assert (reference.rounds, list(reference.accepted_per_position)) == (
-        counters.rounds,
-        list(counters.accepted_per_position),
-    )
+    check_counter_parity(f"MTP parity, {name}, K={k}", reference, counters, serving_reports)
 
 
 @pytest.mark.parametrize("k", [2, 4])  # the demo trains D = 2 steps: serve K = D and K = 2D

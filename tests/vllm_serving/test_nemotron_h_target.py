@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import check_counter_parity
+
 from dflash_train.testing.tiny_mtp_salm import TinyMTPSpec, build_tiny_mtp_salm
 from dflash_train.vllm_plugin.acceptance import first_mismatches
 from dflash_train.vllm_plugin.serving import serve, validation_requests
@@ -98,12 +100,5 @@ def test_a_dflash_draft_for_a_nemotron_h_target_serves_greedy_equal_with_exact_c
     report = _reference(target, {DRAFT: str(export)}, validation_cuts, len(requests_))
     assert first_mismatches(speculative.token_ids, target_only["****"].token_ids) == {}
     assert first_mismatches(speculative.token_ids, [s.drafts[DRAFT].token_ids for s in report.samples]) == {}
-    reference, counters = report.counters(DRAFT), speculative.counters
-    serving_reports.append(
-        f"Nemotron-H target (****, native names), DFlash draft trained 60 steps, K={K} (float32): reference "
-        f"{reference.accepted} accepted / {reference.rounds} rounds {reference.accepted_per_position}; vLLM "
-        f"{counters.accepted} / {counters.rounds} {counters.accepted_per_position}"
-    )
-    assert reference.accepted > 0 and reference.accepted < reference.proposed, "parity needs hits and misses"
-    assert (reference.rounds, list(reference.accepted_per_position)) == (
-        counters.rounds, list(counters.accepted_per_position))
+    title = f"Nemotron-H target (****, native names), DFlash draft trained 60 steps, K={K}"
+    check_counter_parity(title, report.counters(DRAFT), speculative.counters, serving_reports)
