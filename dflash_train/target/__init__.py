@@ -1,4 +1,4 @@
-"""Frozen target adapters (NeMo SALM), hidden-state taps and audio splicing."""
+"""Frozen targets (NeMo SALM, Nemotron-H SpeechLMs) behind one router, hidden-state taps and audio splicing."""
 
 from dflash_train.target.base import FrozenTarget, TapOutput
 from dflash_train.target.load import load_target_for_run, open_speech_target
