@@ -254,3 +254,8 @@ def test_init_from_checkpoint_reads_either_name_set_into_a_nemotron_h_target(tin
     assert torch.equal(target.llm.model.layers[3].mixer.experts.up_proj, expected)
     config = json.loads((tiny_hybrid_dir / "config.json").read_text())
     assert target.audio_locator_tag == config["audio_locator_tag"]
+
+
+def test_a_nemotron_h_target_with_another_audio_tag_fails_in_one_line(tiny_hybrid_dir):
+    with pytest.raises(ConfigError, match=r"model.audio_locator_tag='<audio>' but the target uses '<\|audio\|>'"):
+        open_speech_target(ModelConfig(pretrained_name=str(tiny_hybrid_dir), audio_locator_tag="<audio>"))

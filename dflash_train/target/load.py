@@ -12,7 +12,14 @@ from dflash_train.config.validate import validate_against_target
 from dflash_train.errors import ConfigError
 from dflash_train.target.audio import AudioLLM
 from dflash_train.target.nemotron_h import NEMOTRON_H, NemotronHSpeechLMTarget, backbone_model_type
-from dflash_train.target.salm import SALMTarget, check_salm_checkpoint, load_salm, read_state_dict, read_target_dims
+from dflash_train.target.salm import (
+    SALMTarget,
+    check_salm_checkpoint,
+    load_salm,
+    read_state_dict,
+    read_target_dims,
+    require_audio_tag,
+)
 from dflash_train.target.taps import derive_target_layer_ids
 
 log = logging.getLogger(__name__)
@@ -43,11 +50,7 @@ def open_speech_target(model: ModelConfig) -> AudioLLM:
         return SALMTarget(load_salm(model))
     path = check_salm_checkpoint(model.pretrained_name, "model.pretrained_name")
     target = NemotronHSpeechLMTarget.from_checkpoint(path)
-    if target.audio_locator_tag != model.audio_locator_tag:
-        raise ConfigError(
-            f"model.audio_locator_tag='{model.audio_locator_tag}' but the target uses '{target.audio_locator_tag}'; "
-            "make them equal"
-        )
+    require_audio_tag(model, target.audio_locator_tag)
     if model.encoder_chunk_size_seconds is not None:
         target.salm_config["encoder_chunk_size_seconds"] = model.encoder_chunk_size_seconds
     if model.init_from_checkpoint is not None:

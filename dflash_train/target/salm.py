@@ -126,6 +126,14 @@ def read_target_dims(model: ModelConfig) -> TargetDims:
     return TargetDims(int(text.num_hidden_layers), int(text.hidden_size), int(text.vocab_size))
 
 
+def require_audio_tag(model: ModelConfig, target_tag: str) -> None:
+    """``model.audio_locator_tag`` must be the loaded target's audio placeholder; else one line saying so."""
+    if target_tag != model.audio_locator_tag:
+        raise ConfigError(
+            f"model.audio_locator_tag='{model.audio_locator_tag}' but the target uses '{target_tag}'; make them equal"
+        )
+
+
 def load_salm(model: ModelConfig) -> nn.Module:
     """Load (``pretrained_name``) or build (``salm``) the SALM, then apply ``init_from_checkpoint``."""
     from nemo.collections.speechlm2.models import SALM
@@ -150,11 +158,7 @@ def load_salm(model: ModelConfig) -> nn.Module:
         if mtp_keys and model.init_from_checkpoint_strict:
             _check_all_but_mtp_loaded(salm, stored - mtp_keys, model.pretrained_name)
         log.info("target: loaded SALM checkpoint %s%s", model.pretrained_name, " (MTP heads left out)" if mtp_keys else "")
-    if salm.audio_locator_tag != model.audio_locator_tag:
-        raise ConfigError(
-            f"model.audio_locator_tag='{model.audio_locator_tag}' but the target uses '{salm.audio_locator_tag}'; "
-            "make them equal"
-        )
+    require_audio_tag(model, salm.audio_locator_tag)
     if model.encoder_chunk_size_seconds is not None:
         from omegaconf import open_dict
 
