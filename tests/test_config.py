@@ -42,7 +42,7 @@ def test_recipe_defaults():
     assert isinstance(d, DFlash2Config) and d.variant == "dflash2"
     assert (d.block_size, d.loss_decay_gamma, d.num_anchors) == (8, 4.0, 512)
     assert (d.label_source, d.projection_only, d.draft_num_hidden_layers) == ("target_argmax", False, 6)
-    assert (d.target_layer_ids, d.init_from_pretrained, d.lr, d.use_fused_linear_ce) == (None, None, 6.0e-4, False)
+    assert (d.target_layer_ids, d.init_from_pretrained, d.lr, d.loss_chunk_size) == (None, None, 6.0e-4, 1024)
     assert run.trainer.precision == "bf16-flash"
     assert run.exp_manager.resume_if_exists is True
     assert run.model.init_from_checkpoint_strict is True
@@ -85,7 +85,7 @@ def test_dflash_group_selects_the_variant_schema():
         (["trainer.strategy.name=megatron"], "trainer.strategy.name='megatron' is unknown"),
         (["trainer.precision=16-mixed"], "trainer.precision='16-mixed' is not supported; use a BF16 mode"),
         (["trainer.precision=32"], "trainer.precision='32' is not supported"),
-        (["dflash.use_fused_linear_ce=true"], "dflash.use_fused_linear_ce=true is not supported"),
+        (["dflash.loss_chunk_size=-1"], "dflash.loss_chunk_size=-1 must be >= 0"),
         (["dflash.projection_only=true"], "dflash.projection_only=true requires dflash.init_from_pretrained"),
         (
             ["dflash=dflash", "dflash.projection_only=true", "dflash.init_from_pretrained=/d"],

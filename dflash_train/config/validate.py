@@ -280,9 +280,9 @@ RULES: tuple[Rule, ...] = (
         f"{list(ATTENTION_BACKENDS)} or null (automatic)",
     ),
     Rule(
-        lambda run: not run.dflash.use_fused_linear_ce,
-        lambda run: "dflash.use_fused_linear_ce=true is not supported (the decayed block loss needs per-slot weights); "
-        "set it to false",
+        lambda run: run.dflash.loss_chunk_size >= 0,
+        lambda run: f"dflash.loss_chunk_size={run.dflash.loss_chunk_size} must be >= 0 (positions per LM-head chunk; "
+        "0 materialises the full logits)",
     ),
     Rule(
         lambda run: not run.dflash.projection_only or variant_named(run.dflash.variant).supports_projection_only,

@@ -96,7 +96,8 @@ class MTPHeads:
     def build_core(self, draft, target, spec, attention_backend, stable_shapes):
         from dflash_train.draft.mtp_objective import MTPTrainerCore
 
-        return MTPTrainerCore(draft, target.lm_head, spec.variant.step_weights(spec.cfg), spec.cfg.num_anchors)
+        return MTPTrainerCore(draft, target.lm_head, spec.variant.step_weights(spec.cfg), spec.cfg.num_anchors,
+                              spec.cfg.loss_chunk_size)
 
     def warm_start(self, draft, path, spec):
         from dflash_train.draft.mtp_export import warm_start_mtp

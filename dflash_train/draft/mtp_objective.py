@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dflash_train.loss.head import head_cross_entropy
 from dflash_train.draft.mtp import MTPStep
 from dflash_train.target.taps import document_attention_mask
 from dflash_train.variants.mtp import valid_anchor_mask
@@ -76,8 +77,16 @@ class MTPTrainerCore(nn.Module):
     :class:`MTPStepMetrics` whose ``loss`` is Σ w·CE / Σ w over every supervised draft step.
     """
 
-    def __init__(self, step: MTPStep, target_lm_head: nn.Module, step_weights: Sequence[float], num_anchors: int):
+    def __init__(
+        self,
+        step: MTPStep,
+        target_lm_head: nn.Module,
+        step_weights: Sequence[float],
+        num_anchors: int,
+        loss_chunk_size: int = 0,
+    ):
         super().__init__()
+        self.loss_chunk_size = loss_chunk_size  # 0: full logits; else the chunked head (draft/head_loss.py)
         self.draft_model = step
         object.__setattr__(self, "lm_head", target_lm_head)  # not a submodule: not trained, not checkpointed
         self.step_weights = [float(w) for w in step_weights]
@@ -158,15 +167,20 @@ class MTPTrainerCore(nn.Module):
             raise ValueError("the MTP objective needs doc_remaining and the token embeddings (embeds)")
         depth = self.num_steps
         hidden, anchors, keep = self.draft_states(features, loss_mask, doc_remaining, embeds)
-        logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
         labels = torch.stack([gather_at(input_ids, anchors, k + 1) for k in range(1, depth + 1)], dim=2)
         supervised = torch.stack([gather_at(loss_mask.bool(), anchors, k + 1) for k in range(1, depth + 1)], dim=2) & keep[..., None]
-        weights = supervised.float() * torch.tensor(self.step_weights, device=logits.device)
-        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(weights)
+        weights = supervised.float() * torch.tensor(self.step_weights, device=hidden.device)
         weight = weights.sum()
-        loss = (ce * weights).sum() / weight.clamp_min(1e-12)
+        if self.loss_chunk_size:
+            head = head_cross_entropy(hidden, self.lm_head, labels, weights, self.loss_chunk_size, positions=supervised)
+            weighted_nll, predictions = head.weighted_nll, head.predictions
+        else:
+            logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+            ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(weights)
+            weighted_nll, predictions = (ce * weights).sum(), logits.argmax(dim=-1)
+        loss = weighted_nll / weight.clamp_min(1e-12)
 
-        correct = (logits.argmax(dim=-1) == labels) & supervised
+        correct = (predictions == labels) & supervised
         prefix = (correct | ~supervised).long().cumprod(dim=2) * supervised.long()
         chains = supervised.any(dim=2)
         accept_sum = ((prefix.sum(dim=2) + 1.0) * chains).sum()

@@ -2,7 +2,99 @@
 
 from __future__ import annotations
 
-from dflash_train.variants.base import DraftVariant, automodel_speculative_dflash
+import torch
+
+from dflash_train.loss.head import HeadLoss, head_cross_entropy
+from dflash_train.variants.base import DFlashConfig, DraftVariant, automodel_speculative_dflash
+
+
+class ChunkedBlockLoss:
+    """Mixin over one of nemo_automodel's block trainer cores: the same step with the LM head and the
+    decayed block cross-entropy computed by :func:`head_cross_entropy`, so no ``[B, N·block, V]`` logits are
+    held (``loss_chunk_size`` rows of them at a time). ``loss_chunk_size=0`` runs the library's own forward,
+    which materialises them (the reference the chunked loss is tested against).
+
+    The prologue (anchors, noise embeddings, the block mask), the labels and the statistics are the
+    library's; the loss is its ``Σ w·CE / (Σ w + 1e-6)`` with ``w`` the decayed mask of the predicted
+    positions (block position 0 and padded blocks are never projected). A variant with more terms
+    overrides :meth:`objective`.
+    """
+
+    def __init__(self, *args, loss_chunk_size: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_chunk_size = loss_chunk_size
+
+    def depth_weighted(self, mask: torch.Tensor) -> torch.Tensor:
+        """``mask [B, N, block−1]`` times the decay ``exp(−k / γ)`` of predicted position k (or the mask)."""
+        if self.loss_decay_gamma is None:
+            return mask
+        depth = torch.arange(mask.shape[-1], device=mask.device, dtype=mask.dtype)
+        return mask * torch.exp(-depth / self.loss_decay_gamma)
+
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, top_k: int = 0) -> HeadLoss:
+        """The chunked head + CE with the draft's output transform (the target's, as ``compute_logits``)."""
+        return head_cross_entropy(
+            hidden,
+            self.lm_head,
+            targets,
+            weights,
+            self.loss_chunk_size,
+            top_k=top_k,
+            multiplier=getattr(self.draft_model, "output_multiplier", 1.0),
+            softcap=getattr(self.draft_model, "final_logit_softcapping", None),
+        )
+
+    def forward(self, input_ids, hidden_states, loss_mask, position_ids=None, seq_lens=None, doc_remaining=None):
+        if not self.loss_chunk_size:
+            return super().forward(input_ids, hidden_states, loss_mask, position_ids, seq_lens, doc_remaining)
+        bsz, seq_len = input_ids.shape
+        anchors, keep, noise_embedding, full_position_ids, attention_mask, _ = self._prepare_block_inputs(
+            input_ids, loss_mask, position_ids=position_ids, seq_lens=seq_lens, doc_remaining=doc_remaining
+        )
+        output_hidden = self.draft_model(
+            position_ids=full_position_ids,
+            noise_embedding=noise_embedding,
+            target_hidden=hidden_states,
+            attention_mask=attention_mask,
+        )
+        blocks = anchors.size(1)
+        _, target_ids, block_mask = self._build_block_targets(
+            input_ids, loss_mask, anchors, keep, seq_len, doc_remaining=doc_remaining
+        )
+        # block position k predicts the token at anchor + k; position 0 (the anchor itself) is never a target
+        hidden = output_hidden.view(bsz, blocks, self.block_size, -1)[:, :, 1:]
+        return self.objective(hidden, target_ids, block_mask[:, :, 1:])
+
+    def objective(self, hidden: torch.Tensor, target_ids: torch.Tensor, mask: torch.Tensor):
+        """DFlash's step metrics from the predicted positions' hidden states ``[B, N, block−1, H]``, the blocks'
+        labels ``[B, N, block]`` and the supervised mask ``[B, N, block−1]``."""
+        dflash = automodel_speculative_dflash()
+        targets = target_ids[:, :, 1:]
+        weights = self.depth_weighted(mask)
+        head = self.head_loss(hidden, targets, weights)
+        loss_weight = weights.sum()
+        with torch.no_grad():
+            supervised = mask.bool()
+            valid_tokens = mask.sum()
+            correct_tokens = ((head.predictions == targets) & supervised).sum()
+            accept_len, accept_len_sum, valid_blocks = dflash.core.compute_acceptance_stats(
+                head.predictions, targets, supervised
+            )
+        return dflash.DFlashStepMetrics(
+            loss=head.weighted_nll / (loss_weight + 1e-6),
+            loss_weight=loss_weight.detach(),
+            accuracy=correct_tokens / valid_tokens.clamp_min(1),
+            valid_tokens=valid_tokens,
+            correct_tokens=correct_tokens,
+            accept_len=accept_len,
+            accept_len_sum=accept_len_sum,
+            valid_blocks=valid_blocks,
+        )
+
+
+def with_chunked_loss(mixin: type, core_cls: type) -> type:
+    """``core_cls`` with ``mixin``'s chunked loss in front of its forward."""
+    return type(f"Chunked{core_cls.__name__}", (mixin, core_cls), {})
 
 
 class DFlash(DraftVariant):
@@ -14,7 +106,10 @@ class DFlash(DraftVariant):
 
     def load_classes(self):
         dflash = automodel_speculative_dflash()
-        return dflash.Qwen3DFlashDraftModel, dflash.DFlashTrainerModule
+        return dflash.Qwen3DFlashDraftModel, with_chunked_loss(ChunkedBlockLoss, dflash.DFlashTrainerModule)
+
+    def trainer_kwargs(self, cfg: DFlashConfig) -> dict:
+        return {"loss_chunk_size": cfg.loss_chunk_size}
 
 
 DFLASH = DFlash()

@@ -36,7 +36,6 @@ DFLASH_ONLY_KEYS = (
     "target_layer_ids",
     "mask_token_id",
     "draft_model_config",
-    "use_fused_linear_ce",
     "gradient_checkpointing",
 )
 """Shared-schema keys MTP has no use for: a value other than their default is a mistake worth one line.

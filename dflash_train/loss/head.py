@@ -1,0 +1,156 @@
+"""The frozen target's LM head and the draft's cross-entropy in bounded memory.
+
+A draft step supervises up to ``num_anchors × (block_size − 1)`` positions per row, each over the
+target's whole vocabulary: at 512 anchors, block 8 and V = 151,936 the ``[positions, V]`` logits of one
+row are 2.5 GB in FP32, and cross-entropy keeps about three such tensors alive (the logits, their
+softmax, the gradient) — tens of GB for a batch, more than the draft's activations and the target
+together. :func:`head_cross_entropy` never holds more than ``chunk_size`` rows of logits:
+
+* only the supervised positions (weight > 0) go through the head — block position 0 and padded
+  blocks never do;
+* each chunk's logits are computed, reduced to its weighted NLL, argmax (and top-k when asked), and
+  turned straight into the gradient with respect to the hidden states, ``(softmax − onehot) · w · W``;
+  the chunk's logits are then freed, so backward is one multiplication by the incoming scalar
+  gradient instead of a second pass over the vocabulary.
+
+The head is frozen (the target's): no gradient is produced for its weight, and a head that requires one
+is refused. The optional output transform of some targets (``logits · multiplier``, then
+``cap · tanh(logits / cap)``) is applied inside, with its derivative, so the loss is the one serving
+scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class HeadLoss:
+    """What a draft objective needs from the head at its positions.
+
+    ``weighted_nll`` is Σ w·NLL over the positions (differentiable with respect to the hidden states);
+    ``predictions`` the argmax token at every position of the input's leading shape, ``-1`` where the
+    weight is 0 (not computed); ``top_ids`` the ``top_k`` highest-scoring tokens there (or ``None``).
+    """
+
+    weighted_nll: torch.Tensor
+    predictions: torch.Tensor
+    top_ids: Optional[torch.Tensor]
+
+
+def transformed_logits(raw: torch.Tensor, multiplier: float, softcap: Optional[float]) -> torch.Tensor:
+    """The target's output transform on raw head outputs: ``× multiplier``, then ``cap · tanh(· / cap)``."""
+    logits = raw * multiplier if multiplier != 1.0 else raw
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+class _ChunkedHeadCrossEntropy(torch.autograd.Function):
+    """Σ w·CE(transform(h·Wᵀ + b), y) over rows of ``h``, chunk by chunk; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, row_weights, chunk_size, multiplier, softcap, top_k, with_grad):
+        compute = torch.promote_types(hidden.dtype, torch.float32)  # at least FP32, as autocast runs CE
+        total = hidden.new_zeros((), dtype=compute)
+        predictions = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        top_ids = torch.empty(hidden.shape[0], top_k, dtype=torch.long, device=hidden.device) if top_k else None
+        grad_hidden = torch.empty_like(hidden) if with_grad else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            raw = F.linear(hidden[rows], weight, bias).to(compute)
+            logits = transformed_logits(raw, multiplier, softcap)
+            log_norm = torch.logsumexp(logits, dim=-1)
+            target = targets[rows]
+            nll = log_norm - logits.gather(1, target[:, None]).squeeze(1)
+            total += (nll * row_weights[rows]).sum()
+            predictions[rows] = logits.argmax(dim=-1)
+            if top_k:
+                top_ids[rows] = logits.topk(top_k, dim=-1).indices
+            if with_grad:
+                grad = torch.exp(logits - log_norm[:, None])  # softmax, in place of the logits' memory
+                grad.scatter_add_(1, target[:, None], torch.full_like(nll[:, None], -1.0))
+                grad *= row_weights[rows, None]
+                if softcap is not None:
+                    grad *= 1.0 - (logits / softcap) ** 2
+                if multiplier != 1.0:
+                    grad *= multiplier
+                grad_hidden[rows] = grad.to(weight.dtype) @ weight
+            del raw, logits
+        ctx.save_for_backward(grad_hidden)
+        outputs = (total, predictions) + ((top_ids,) if top_k else ())
+        ctx.mark_non_differentiable(*outputs[1:])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad_total, *_):
+        (grad_hidden,) = ctx.saved_tensors
+        if grad_hidden is None:
+            raise RuntimeError("head_cross_entropy ran without gradient tracking; its loss cannot be differentiated")
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None, None, None, None
+
+
+def head_cross_entropy(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_size: int,
+    top_k: int = 0,
+    multiplier: float = 1.0,
+    softcap: Optional[float] = None,
+    positions: Optional[torch.Tensor] = None,
+) -> HeadLoss:
+    """Σ w·CE of the frozen ``head`` (an ``nn.Linear``, ``[V, H]``) at ``hidden [..., H]`` against
+    ``targets [...]`` with ``weights [...]``, ``chunk_size`` rows of logits at a time (module docstring).
+
+    Only ``positions [...]`` (bool; default: ``weights != 0``) go through the head. Picking them costs one
+    device-to-host read (their count).
+    """
+    weight, bias = head.weight, getattr(head, "bias", None)
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        raise ValueError("head_cross_entropy trains no head: the target's LM head must be frozen (requires_grad=False)")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    leading = targets.shape
+    flat_weights = weights.reshape(-1)
+    rows = (flat_weights != 0 if positions is None else positions.reshape(-1)).nonzero().squeeze(1)
+    picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows).to(weight.dtype)
+    with_grad = torch.is_grad_enabled() and picked.requires_grad
+    outputs = _ChunkedHeadCrossEntropy.apply(
+        picked,
+        weight,
+        bias,
+        targets.reshape(-1).index_select(0, rows),
+        flat_weights.index_select(0, rows).to(torch.promote_types(weight.dtype, torch.float32)),
+        chunk_size,
+        float(multiplier),
+        softcap,
+        top_k,
+        with_grad,
+    )
+    predictions = torch.full((flat_weights.numel(),), -1, dtype=torch.long, device=hidden.device)
+    predictions[rows] = outputs[1]
+    top_ids = None
+    if top_k:
+        top_ids = torch.zeros((flat_weights.numel(), top_k), dtype=torch.long, device=hidden.device)
+        top_ids[rows] = outputs[2]
+        top_ids = top_ids.view(*leading, top_k)
+    return HeadLoss(outputs[0], predictions.view(leading), top_ids)
+
+
+def logits_at(hidden: torch.Tensor, head: nn.Module, token_ids: torch.Tensor, multiplier: float = 1.0,
+              softcap: Optional[float] = None) -> torch.Tensor:
+    """The transformed logits of only ``token_ids [..., k]`` at ``hidden [..., H]`` (differentiable),
+    without the other V − k: a gather of k head rows per position."""
+    rows = F.embedding(token_ids, head.weight)  # [..., k, H]
+    compute = torch.promote_types(head.weight.dtype, torch.float32)
+    raw = torch.einsum("...h,...kh->...k", hidden.to(head.weight.dtype), rows).to(compute)
+    if getattr(head, "bias", None) is not None:
+        raw = raw + head.bias[token_ids].to(compute)
+    return transformed_logits(raw, multiplier, softcap)

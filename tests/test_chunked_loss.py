@@ -1,0 +1,136 @@
+"""The chunked LM head + cross-entropy (``dflash.loss_chunk_size``): equal to the full-logits loss it replaces.
+
+``head_cross_entropy`` against cross-entropy written out here; each variant's chunked step against the same
+step with ``loss_chunk_size=0`` (nemo_automodel's own loss for DFlash / DFlash2, the full-logits MTP loss):
+loss, statistics and every draft gradient. The memory it saves is measured by
+``benchmarks/loss_memory.py`` (docs/benchmarks.md), not here.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import UTTERANCES, chatml_speech_batch, compose, tiny_run_overrides
+
+from dflash_train.config import validate_config
+from dflash_train.draft import DraftSpec
+from dflash_train.draft.family import family_of
+from dflash_train.loss.head import head_cross_entropy, logits_at
+from dflash_train.training.module import DFlashDraftModule, ModuleSettings
+
+VOCAB, HIDDEN = 97, 16
+
+
+def _case(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=generator))
+        head.bias.copy_(torch.randn(VOCAB, generator=generator))
+    head.requires_grad_(False)
+    hidden = torch.randn(3, 5, 4, HIDDEN, generator=generator, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (3, 5, 4), generator=generator)
+    weights = torch.rand(3, 5, 4, generator=generator) * (torch.rand(3, 5, 4, generator=generator) > 0.3)
+    return head, hidden, targets, weights
+
+
+def _direct(head, hidden, targets, weights, multiplier, softcap):
+    logits = head(hidden) * multiplier
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    nll = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view_as(weights)
+    return (nll * weights).sum(), logits
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+@pytest.mark.parametrize("multiplier, softcap", [(1.0, None), (0.5, 3.0)])
+def test_head_cross_entropy_equals_the_full_logits_computation(chunk, multiplier, softcap):
+    head, hidden, targets, weights = _case()
+    expected, logits = _direct(head, hidden, targets, weights, multiplier, softcap)
+    (expected_grad,) = torch.autograd.grad(expected, hidden)
+
+    result = head_cross_entropy(hidden, head, targets, weights, chunk, top_k=5, multiplier=multiplier, softcap=softcap)
+    (grad,) = torch.autograd.grad(2.0 * result.weighted_nll, hidden)  # the incoming gradient scales it
+
+    torch.testing.assert_close(result.weighted_nll, expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(grad, 2.0 * expected_grad, rtol=1e-5, atol=1e-6)
+    assert (grad[weights == 0] == 0).all()  # unsupervised positions never reach the head
+    used = weights > 0
+    assert torch.equal(result.predictions[used], logits.argmax(dim=-1)[used])
+    assert (result.predictions[~used] == -1).all()
+    assert torch.equal(result.top_ids[used], logits.topk(5, dim=-1).indices[used])
+    torch.testing.assert_close(
+        logits_at(hidden, head, result.top_ids, multiplier, softcap)[used], logits.topk(5, dim=-1).values[used]
+    )
+
+
+def test_positions_choose_what_is_projected_even_at_weight_zero():
+    """MTP counts a supervised step whose weight is 0 in its statistics: ``positions`` keeps it projected."""
+    head, hidden, targets, weights = _case(1)
+    positions = torch.ones_like(weights, dtype=torch.bool)
+    result = head_cross_entropy(hidden, head, targets, weights, 4, positions=positions)
+    assert torch.equal(result.predictions, head(hidden).argmax(dim=-1))
+
+
+def test_a_trainable_head_is_refused():
+    head, hidden, targets, weights = _case()
+    head.requires_grad_(True)
+    with pytest.raises(ValueError, match="must be frozen"):
+        head_cross_entropy(hidden, head, targets, weights, 4)
+
+
+def _module(tiny_salm_dir, tiny_target, variant: str, chunk: int, draft=None):
+    overrides = tiny_run_overrides(tiny_salm_dir) + [f"dflash={variant}", f"dflash.loss_chunk_size={chunk}"]
+    if variant == "dflash2":
+        overrides += ["dflash.selector_rank=16", f"dflash.selector_top_k={tiny_target.vocab_size // 8}"]
+    cfg = validate_config(compose("dflash", overrides)).run.dflash
+    layers = (1, 3) if variant != "mtp" else None
+    spec = DraftSpec(cfg, layers, 320, tiny_target.num_layers)
+    if draft is None:
+        torch.manual_seed(0)
+        draft = family_of(spec.variant).build_draft(tiny_target, spec, "sdpa")
+    return DFlashDraftModule(tiny_target, draft, spec, ModuleSettings(layer_ids=list(layers or []))), draft
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2", "mtp"])
+def test_each_variants_chunked_step_equals_its_full_logits_step(tiny_salm_dir, tiny_target, speech_batch, variant):
+    """Same draft, batch and anchors: the chunked step's loss, statistics and every draft gradient equal the
+    full-logits step's (FP32, ≤ 1e-5 relative)."""
+    full, draft = _module(tiny_salm_dir, tiny_target, variant, 0)
+    inputs = full.prepare(chatml_speech_batch(tiny_target, speech_batch, list(UTTERANCES.values())))
+    optimizer = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    for step in range(15):  # some right predictions, so that the statistics compare something
+        optimizer.zero_grad()
+        full.run_core(inputs, rng_key=step).loss.backward()
+        optimizer.step()
+    chunked, _ = _module(tiny_salm_dir, tiny_target, variant, 5, draft=copy.deepcopy(draft))
+
+    results = []
+    for module in (full, chunked):
+        module.draft.zero_grad()
+        metrics = module.run_core(inputs, rng_key=11)
+        metrics.loss.backward()
+        grads = {name: p.grad.clone() for name, p in module.draft.named_parameters() if p.grad is not None}
+        results.append((metrics, grads))
+    (expected, expected_grads), (metrics, grads) = results
+
+    assert float(expected.valid_tokens) > 20 and 0 < float(expected.accuracy) < 1
+    for field in type(expected).__dataclass_fields__:
+        want, got = getattr(expected, field), getattr(metrics, field)
+        if field == "loss":
+            torch.testing.assert_close(got, want.detach().to(got.dtype), rtol=1e-5, atol=0)
+        else:
+            torch.testing.assert_close(got.detach().to(want.dtype), want.detach(), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m, field=field: f"{field}: {m}")
+    assert grads.keys() == expected_grads.keys() and len(grads) > 3
+    worst = max((_relative(grad, expected_grads[name]), name) for name, grad in grads.items())
+    print(f"{variant}: worst gradient difference {worst[0]:.1e} relative ({worst[1]})")
+    assert worst[0] <= 1e-5, worst
+
+
+def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """‖value − reference‖ / ‖reference‖: FP32 summation order moves single near-zero entries, not the tensor."""
+    return float((value - reference).norm() / reference.norm().clamp_min(1e-30))
