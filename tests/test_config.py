@@ -42,7 +42,7 @@ def test_recipe_defaults():
     assert isinstance(d, DFlash2Config) and d.variant == "dflash2"
     assert (d.block_size, d.loss_decay_gamma, d.num_anchors) == (8, 4.0, 512)
     assert (d.label_source, d.projection_only, d.draft_num_hidden_layers) == ("target_argmax", False, 6)
-    assert (d.target_layer_ids, d.init_from_pretrained, d.lr, d.loss_chunk_size) == (None, None, 6.0e-4, 1024)
+    assert (d.target_layer_ids, d.init_from_pretrained, d.lr, d.loss_chunk_size) == (None, None, 6.0e-4, 256)
     assert run.trainer.precision == "bf16-flash"
     assert run.exp_manager.resume_if_exists is True
     assert run.model.init_from_checkpoint_strict is True

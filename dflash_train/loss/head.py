@@ -63,8 +63,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if with_grad else None
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            raw = F.linear(hidden[rows], weight, bias).to(compute)
-            logits = transformed_logits(raw, multiplier, softcap)
+            logits = transformed_logits(F.linear(hidden[rows], weight, bias).to(compute), multiplier, softcap)
             log_norm = torch.logsumexp(logits, dim=-1)
             target = targets[rows]
             nll = log_norm - logits.gather(1, target[:, None]).squeeze(1)
@@ -73,15 +72,16 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             if top_k:
                 top_ids[rows] = logits.topk(top_k, dim=-1).indices
             if with_grad:
-                grad = torch.exp(logits - log_norm[:, None])  # softmax, in place of the logits' memory
+                slope = 1.0 - (logits / softcap) ** 2 if softcap is not None else None  # d softcap / d input
+                grad = logits.sub_(log_norm[:, None]).exp_()  # the softmax, written over the logits
                 grad.scatter_add_(1, target[:, None], torch.full_like(nll[:, None], -1.0))
                 grad *= row_weights[rows, None]
-                if softcap is not None:
-                    grad *= 1.0 - (logits / softcap) ** 2
+                if slope is not None:
+                    grad *= slope
                 if multiplier != 1.0:
                     grad *= multiplier
                 grad_hidden[rows] = grad.to(weight.dtype) @ weight
-            del raw, logits
+            del logits
         ctx.save_for_backward(grad_hidden)
         outputs = (total, predictions) + ((top_ids,) if top_k else ())
         ctx.mark_non_differentiable(*outputs[1:])

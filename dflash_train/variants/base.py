@@ -40,7 +40,7 @@ class DFlashConfig:
     weight_decay: float = 0.0
     optimizer: Optional[dict] = None
     lr_scheduler: Optional[dict] = None
-    loss_chunk_size: int = 1024
+    loss_chunk_size: int = 256
     attention_backend: Optional[str] = None
     gradient_checkpointing: bool = False
     nonfinite_step_limit: int = 3
