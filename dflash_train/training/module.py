@@ -408,12 +408,14 @@ class DFlashDraftModule(L.LightningModule):
             self._nonfinite_in_a_row = 0
         self.grad_norm = math.sqrt(squares) / total if applied else float("nan")
         if applied:
+            # normalise and clip in one pass, from the norm just reduced (torch's clip_grad_norm_ rule)
+            scale = 1.0 / total
+            clip = self.settings.optim.gradient_clip_val
+            if clip and self.grad_norm > clip:
+                scale *= clip / (self.grad_norm + 1e-6)
             for param in params:
                 if param.grad is not None:
-                    param.grad.mul_(1.0 / total)
-            clip = self.settings.optim.gradient_clip_val
-            if clip:
-                self.clip_gradients(optimizer, gradient_clip_val=clip, gradient_clip_algorithm="norm")
+                    param.grad.mul_(scale)
         else:
             optimizer.zero_grad(set_to_none=True)  # grad-less params: the optimizer leaves weights and state as they are
         optimizer.step()
@@ -536,7 +538,8 @@ class DFlashDraftModule(L.LightningModule):
         if optim.optimizer is not None:
             optimizer = instantiate(optim.optimizer, params=params)
         else:
-            optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
+            fused = bool(params) and all(p.is_cuda for p in params)  # one kernel per step where CUDA allows
+            optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, fused=fused or None)
         if optim.lr_scheduler is None:
             return optimizer
         scheduler = instantiate(optim.lr_scheduler, optimizer=optimizer)
