@@ -387,6 +387,7 @@ def test_rounding_the_anchor_count_up_changes_no_loss_or_gradient(tiny_salm_dir,
     multiple = anchor_count_multiple(spec.cfg.block_size)
     assert plain_anchors[0].shape[1] % multiple, "the batch must draw a count the rounding changes"
     assert round_anchors[0].shape[1] % multiple == 0 and round_anchors[0].shape[1] > plain_anchors[0].shape[1]
+    assert round_anchors[0].shape[1] >= min(2 * multiple, spec.cfg.num_anchors)  # never a single query tile
     width = plain_anchors[0].shape[1]
     assert torch.equal(round_anchors[0][:, :width], plain_anchors[0]) and not round_anchors[1][:, width:].any()
     assert float(rounded.loss_weight) == pytest.approx(float(plain.loss_weight), rel=1e-6) and float(plain.loss_weight) > 0

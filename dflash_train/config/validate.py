@@ -280,6 +280,10 @@ RULES: tuple[Rule, ...] = (
         f"{list(ATTENTION_BACKENDS)} or null (automatic)",
     ),
     Rule(
+        lambda run: run.dflash.compile_recompile_limit >= 1,
+        lambda run: f"dflash.compile_recompile_limit={run.dflash.compile_recompile_limit} must be >= 1",
+    ),
+    Rule(
         lambda run: run.dflash.loss_chunk_size >= 0,
         lambda run: f"dflash.loss_chunk_size={run.dflash.loss_chunk_size} must be >= 0 (positions per LM-head chunk; "
         "0 materialises the full logits)",

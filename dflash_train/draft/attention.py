@@ -13,6 +13,14 @@ Two problems of the stock functions, fixed here by construction:
   materialises the full score matrix (out of memory or a large slowdown). Here it is
   compiled once, with dynamic shapes, for training and validation alike, and hitting the
   recompile limit is an error that says what to change.
+
+Shapes that reach a compiled function (this flex attention, nemo_automodel's compiled block-mask
+builder) fall in a small fixed set of classes (:func:`use_shape_classes`): lengths are padded to
+128 and anchor counts rounded so the draft's query length is at least two 128-query tiles; duck
+sizing (one symbol for equal sizes, e.g. a batch of 4 next to 4 heads) and the 0/1 size
+specialisation are off. What remains are four classes per function, whatever the lengths and anchor
+counts: grad mode (training, validation) × a batch of one row or of more (a guard of the compiled
+kernels themselves), under the default limit of 8 (``dflash.compile_recompile_limit``).
 """
 
 from __future__ import annotations
@@ -23,11 +31,34 @@ import torch
 
 # flex_attention's block size: flex runs pad the draft's inputs to a multiple of it, so few lengths are compiled.
 FLEX_LENGTH_MULTIPLE = 128
-ONE_DTYPE_PREFIX = "one_dtype_"  # no "flash" in it: transformers would take the name for a flash-attention kernel
+ONE_DTYPE_PREFIX = "one_dtype_"
+# torch.compile backend of the draft's flex attention. Tests on CPU use "aot_eager" (same dynamo guards and
+# cache entries): inductor's CPU flex kernel fails on some dynamic shapes (index out of bounds in torch 2.13).
+FLEX_COMPILE_BACKEND = "inductor"  # no "flash" in it: transformers would take the name for a flash-attention kernel
 
 
 class FlexRecompileError(RuntimeError):
-    """flex_attention hit torch.compile's recompile limit (training would have fallen back to eager attention)."""
+    """A compiled function of the draft step hit torch.compile's recompile limit."""
+
+
+def use_shape_classes(recompile_limit: int) -> None:
+    """Process-wide torch.compile settings of a flex run (module docstring): no duck sizing, no 0/1
+    specialisation, ``recompile_limit`` entries per compiled function and an error past them."""
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False
+    fx_config.backed_size_oblivious = True
+    torch._dynamo.config.recompile_limit = recompile_limit
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def recompile_error(where: str, shapes: str) -> FlexRecompileError:
+    """The one-line error for a recompile limit hit in ``where`` with ``shapes``, naming the knob."""
+    return FlexRecompileError(
+        f"{where} recompiled more than torch._dynamo.config.recompile_limit={torch._dynamo.config.recompile_limit} "
+        f"times ({shapes}); raise dflash.compile_recompile_limit, or make batch shapes more regular "
+        "(data.train_ds.use_bucketing, batch_tokens)"
+    )
 
 
 def _agreeing(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,8 +71,7 @@ def _agreeing(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tu
 def _compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
-    return torch.compile(flex_attention, dynamic=True)
+    return torch.compile(flex_attention, dynamic=True, backend=FLEX_COMPILE_BACKEND)
 
 
 def flex_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -58,11 +88,7 @@ def flex_attention_forward(module, query, key, value, attention_mask, scaling=No
             query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
         )
     except torch._dynamo.exc.FailOnRecompileLimitHit as err:
-        raise FlexRecompileError(
-            f"flex_attention recompiled more than torch._dynamo.config.recompile_limit="
-            f"{torch._dynamo.config.recompile_limit} times (query {tuple(query.shape)}, key {tuple(key.shape)}); "
-            "raise the limit or make batch shapes more regular (data.train_ds.use_bucketing, batch_tokens)"
-        ) from err
+        raise recompile_error("flex_attention", f"query {tuple(query.shape)}, key {tuple(key.shape)}") from err
     return output.transpose(1, 2).contiguous(), None
 
 

@@ -79,14 +79,15 @@ def build_draft(target_llm_config, spec: DraftSpec, attention_backend: str) -> n
 
 
 def anchor_count_multiple(block_size: int) -> int:
-    """Anchors per row are rounded up to a multiple of this, so the draft's query length
-    (anchors × block size) is a multiple of ``FLEX_LENGTH_MULTIPLE`` (fewer distinct flex shapes)."""
+    """Anchors per row are rounded up to a multiple of this (and to at least two of them), so the draft's
+    query length (anchors × block size) is a multiple of ``FLEX_LENGTH_MULTIPLE`` of two tiles or more:
+    fewer distinct flex shapes, and never the single-tile class compiled code specialises on."""
     return max(1, FLEX_LENGTH_MULTIPLE // block_size)
 
 
 def with_stable_anchor_count(trainer_cls: type, multiple: int) -> type:
-    """``trainer_cls`` whose per-batch anchor count is rounded up to ``multiple`` (capped at
-    ``num_anchors``).
+    """``trainer_cls`` whose per-batch anchor count is rounded up to a multiple of ``multiple``, at least
+    ``2 · multiple`` (capped at ``num_anchors``).
 
     nemo_automodel draws ``min(num_anchors, richest row's valid anchors)`` blocks per row, so
     the block count changes with every batch. The added blocks are the library's own padding
@@ -98,7 +99,7 @@ def with_stable_anchor_count(trainer_cls: type, multiple: int) -> type:
         def _sample_anchor_positions(self, seq_len, loss_mask, device, doc_remaining=None):
             anchors, keep = super()._sample_anchor_positions(seq_len, loss_mask, device, doc_remaining=doc_remaining)
             drawn = anchors.shape[1]
-            padded = min(self.num_anchors, -(-drawn // multiple) * multiple)
+            padded = min(self.num_anchors, max(2 * multiple, -(-drawn // multiple) * multiple))
             if padded > drawn:
                 anchors = torch.nn.functional.pad(anchors, (0, padded - drawn))
                 keep = torch.nn.functional.pad(keep, (0, padded - drawn), value=False)

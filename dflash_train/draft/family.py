@@ -60,6 +60,10 @@ class BlockDrafts:
         from dflash_train.draft.build import anchor_count_multiple, build_trainer_core
 
         multiple = anchor_count_multiple(spec.cfg.block_size) if stable_shapes else None
+        if attention_backend == "flex_attention":
+            from dflash_train.draft.attention import use_shape_classes
+
+            use_shape_classes(spec.cfg.compile_recompile_limit)
         return build_trainer_core(draft, target, spec, attention_backend, anchor_multiple=multiple)
 
     def warm_start(self, draft, path, spec):

@@ -23,7 +23,7 @@ import torch
 from dflash_train.data.batch import SpeechBatch
 from dflash_train.data.packing import document_layout
 from dflash_train.distributed import all_reduce_sum, world_size
-from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE
+from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE, recompile_error
 from dflash_train.draft.build import DraftSpec, PreferredRow
 from dflash_train.draft.export import full_state_dict
 from dflash_train.draft.family import family_of
@@ -282,6 +282,8 @@ class DFlashDraftModule(L.LightningModule):
                     doc_remaining=inputs.doc_remaining,
                     **extra,
                 )
+            except torch._dynamo.exc.FailOnRecompileLimitHit as err:  # flex attention's own hit is already named
+                raise recompile_error("the draft step's block-mask builder", f"batch {tuple(inputs.input_ids.shape)}") from err
             finally:
                 self.core.preferred_anchors = None
 

@@ -42,6 +42,7 @@ class DFlashConfig:
     lr_scheduler: Optional[dict] = None
     loss_chunk_size: int = 256
     attention_backend: Optional[str] = None
+    compile_recompile_limit: int = 8  # entries per compiled function of a flex run before the run stops
     gradient_checkpointing: bool = False
     nonfinite_step_limit: int = 3
     serving_val_samples: int = 0  # validation records decoded like serving at every validation (0: off)

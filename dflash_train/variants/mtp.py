@@ -37,6 +37,7 @@ DFLASH_ONLY_KEYS = (
     "mask_token_id",
     "draft_model_config",
     "gradient_checkpointing",
+    "compile_recompile_limit",
 )
 """Shared-schema keys MTP has no use for: a value other than their default is a mistake worth one line.
 (``draft_num_hidden_layers`` is ignored instead: the demo recipe sizes DFlash drafts with it.)"""
