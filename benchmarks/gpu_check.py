@@ -307,6 +307,16 @@ def fit_and_resume(sizes: Sizes, target: CausalLMTarget, device: torch.device, w
     }
 
 
+def imported_distributions() -> dict[str, str]:
+    """``{distribution: version}`` of every installed distribution whose modules this run imported (what a
+    stock image must have or ``gpu_check.sh`` must carry)."""
+    from importlib.metadata import packages_distributions, version
+
+    owners = packages_distributions()
+    names = {dist for module in list(sys.modules) for dist in owners.get(module.partition(".")[0], [])}
+    return {name: version(name) for name in sorted(names)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU with sdpa (CI)")
@@ -323,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as work:
         report["fit"] = fit_and_resume(sizes, target, device, Path(work))
     report["wall_s"] = time.perf_counter() - started
+    report["imported_distributions"] = imported_distributions()
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:

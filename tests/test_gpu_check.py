@@ -1,17 +1,22 @@
-"""`benchmarks/gpu_check.py --cpu-smoke` runs end to end, so the GPU check cannot rot between GPU sessions."""
+"""`benchmarks/gpu_check.py --cpu-smoke` runs end to end, so the GPU check cannot rot between GPU sessions,
+and what it imports is what `gpu_check.sh` carries to a stock GPU image."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from packaging.utils import canonicalize_name
+from stock_image import STOCK_IMAGE, carried, closure
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_gpu_check_cpu_smoke_fits_exports_and_resumes(tmp_path):
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu-smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    # as on the stock GPU image: only torch, lightning, transformers and the carried wheels importable
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "stock_image.py"), str(REPO / "benchmarks" / "gpu_check.py"),
+                           "--cpu-smoke", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     report = json.loads(out.read_text())
     fit, sizes = report["fit"], report["sizes"]
@@ -20,6 +25,16 @@ def test_gpu_check_cpu_smoke_fits_exports_and_resumes(tmp_path):
     assert fit["export_tensors_verified"] > 0
     assert fit["params_draft_non_embedding"] > 0 and fit["params_target_non_embedding"] > 0
     assert report["backend_agreement"] == {"ran": False, "reason": "flex_attention's backward needs CUDA"}
+
+    # every distribution the check imported is on the stock image or carried, at the version tested here
+    imported = {canonicalize_name(name): version for name, version in report["imported_distributions"].items()}
+    stock, pins = closure(STOCK_IMAGE), carried()
+    assert {"torch", "nemo-automodel", "lhotse", "datasets"} <= imported.keys()
+    assert not set(imported) - stock - set(pins) - {"dflash-train"}, "stock_image.py hid nothing"
+    unused = sorted(set(pins) - set(imported))
+    assert not unused, f"gpu_check_wheels.txt carries {unused}, which the check never imports"
+    stale = {name: (pin, imported[name]) for name, pin in pins.items() if name in imported and imported[name] != pin}
+    assert not stale, f"gpu_check_wheels.txt pins differ from the tested versions (pinned, tested): {stale}"
 
 
 def test_gpu_check_without_a_gpu_says_how_to_run_it():

@@ -68,7 +68,8 @@ def automodel_speculative_dflash():
     except ImportError as err:
         raise MissingDependencyError(
             f"draft training needs nemo-automodel's DFlash classes ({err}); install them with `{AUTOMODEL_INSTALL}` "
-            "(--no-deps: its own pins conflict with NeMo, and the DFlash classes need none of them)"
+            "(--no-deps: its own pins conflict with NeMo; its DFlash classes import lhotse, hydra and HF datasets, "
+            "which this project's install brings)"
         ) from None
     return dflash
 
