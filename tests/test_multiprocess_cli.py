@@ -188,7 +188,7 @@ def test_fsdp2_shards_the_draft_over_both_ranks(straight):
     for rank in (0, 1):
         log_file = next(exp_dir.rglob(f"dflash_train_rank{rank}.log"))
         match = re.search(r"draft sharded over (\d+) ranks: (\d+) of (\d+) parameters are DTensors; "
-                          r"this rank holds (\d+) of (\d+) elements", log_file.read_text())
+                          r"this rank holds (\d+) of (\d+) elements; reshard_after_forward=true", log_file.read_text())
         assert match, f"rank {rank} did not shard the draft"
         ranks, dtensors, params, local, total = map(int, match.groups())
         assert ranks == 2 and dtensors == params > 0

@@ -131,6 +131,7 @@ class ParallelismConfig:
     cp_size: int = 1
     ep_size: int = 1
     dp_size: Optional[int] = None
+    reshard_after_forward: bool = True  # FSDP2: free each layer's gathered weights after forward
 
 
 @dataclass

@@ -70,6 +70,7 @@ class ModuleSettings:
     optim: OptimSettings = field(default_factory=OptimSettings)
     val_names: list[str] = field(default_factory=lambda: ["val"])
     fsdp_param_dtype: Optional[torch.dtype] = None  # FSDP2 compute/all-gather dtype (BF16 runs); grads reduce in FP32
+    fsdp_reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (trainer.strategy.*)
     nonfinite_step_limit: int = 3  # non-finite-gradient steps in a row that stop the run
     target_fingerprint: Optional[str] = None  # SHA-256 of the target's weights file (None: built, not loaded)
     stable_shapes: Optional[bool] = None  # pad lengths and anchor counts to multiples (None: on for flex)
@@ -210,11 +211,12 @@ class DFlashDraftModule(L.LightningModule):
 
         policy = MixedPrecisionPolicy(param_dtype=self.settings.fsdp_param_dtype, reduce_dtype=torch.float32)
         dp_mesh = mesh["data_parallel"]
+        reshard = self.settings.fsdp_reshard_after_forward
         for layer in self.draft.layers:
-            fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
-        fully_shard(self.draft, mesh=dp_mesh, mp_policy=policy)
+            fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(self.draft, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
         self._sharded = True
-        log.info("FSDP2: %s", describe_sharding(self.draft))
+        log.info("FSDP2: %s; reshard_after_forward=%s", describe_sharding(self.draft), str(reshard).lower())
 
     def setup(self, stage: str) -> None:
         self.target.to(self.device)

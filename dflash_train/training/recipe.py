@@ -395,6 +395,7 @@ def setup_module(run: RunConfig, target, draft, spec: DraftSpec, backend: str, d
         ),
         val_names=list(getattr(datamodule, "val_names", ["val"])),
         fsdp_param_dtype=half,
+        fsdp_reshard_after_forward=run.trainer.strategy.reshard_after_forward,
         nonfinite_step_limit=run.dflash.nonfinite_step_limit,
         target_fingerprint=target_weights_sha256(run),
         serving_validation=setup_serving_validation(run, target, spec),
