@@ -214,7 +214,9 @@ class DFlashDraftModule(L.LightningModule):
         reshard = self.settings.fsdp_reshard_after_forward
         for layer in self.draft.layers:
             fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
-        fully_shard(self.draft, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        # the root keeps torch's own rule (gathered through backward): the selector and the loss read its
+        # parameters after the draft's forward
+        fully_shard(self.draft, mesh=dp_mesh, mp_policy=policy)
         self._sharded = True
         log.info("FSDP2: %s; reshard_after_forward=%s", describe_sharding(self.draft), str(reshard).lower())
 
