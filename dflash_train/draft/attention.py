@@ -31,10 +31,10 @@ import torch
 
 # flex_attention's block size: flex runs pad the draft's inputs to a multiple of it, so few lengths are compiled.
 FLEX_LENGTH_MULTIPLE = 128
-ONE_DTYPE_PREFIX = "one_dtype_"
+ONE_DTYPE_PREFIX = "one_dtype_"  # no "flash" in it: transformers would take the name for a flash-attention kernel
 # torch.compile backend of the draft's flex attention. Tests on CPU use "aot_eager" (same dynamo guards and
 # cache entries): inductor's CPU flex kernel fails on some dynamic shapes (index out of bounds in torch 2.13).
-FLEX_COMPILE_BACKEND = "inductor"  # no "flash" in it: transformers would take the name for a flash-attention kernel
+FLEX_COMPILE_BACKEND = "inductor"
 
 
 class FlexRecompileError(RuntimeError):

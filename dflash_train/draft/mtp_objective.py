@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_train.loss.head import head_cross_entropy
 from dflash_train.draft.mtp import MTPStep
+from dflash_train.loss.head import head_cross_entropy
 from dflash_train.target.taps import document_attention_mask
 from dflash_train.variants.mtp import valid_anchor_mask
 
@@ -86,7 +86,7 @@ class MTPTrainerCore(nn.Module):
         loss_chunk_size: int = 0,
     ):
         super().__init__()
-        self.loss_chunk_size = loss_chunk_size  # 0: full logits; else the chunked head (draft/head_loss.py)
+        self.loss_chunk_size = loss_chunk_size  # 0: full logits; else the chunked head (loss/head.py)
         self.draft_model = step
         object.__setattr__(self, "lm_head", target_lm_head)  # not a submodule: not trained, not checkpointed
         self.step_weights = [float(w) for w in step_weights]

@@ -34,8 +34,9 @@ class HeadLoss:
     """What a draft objective needs from the head at its positions.
 
     ``weighted_nll`` is Σ w·NLL over the positions (differentiable with respect to the hidden states);
-    ``predictions`` the argmax token at every position of the input's leading shape, ``-1`` where the
-    weight is 0 (not computed); ``top_ids`` the ``top_k`` highest-scoring tokens there (or ``None``).
+    ``predictions`` the argmax token at every position of the input's leading shape, ``-1`` where it was
+    not projected; ``top_ids`` the ``top_k`` highest-scoring tokens there (zeros where not projected, or
+    ``None``).
     """
 
     weighted_nll: torch.Tensor

@@ -31,17 +31,17 @@ class ChunkedBlockLoss:
         depth = torch.arange(mask.shape[-1], device=mask.device, dtype=mask.dtype)
         return mask * torch.exp(-depth / self.loss_decay_gamma)
 
+    def output_transform(self) -> dict:
+        """The target's output transform the draft applies in ``compute_logits`` (multiplier, soft-cap)."""
+        return {
+            "multiplier": getattr(self.draft_model, "output_multiplier", 1.0),
+            "softcap": getattr(self.draft_model, "final_logit_softcapping", None),
+        }
+
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, top_k: int = 0) -> HeadLoss:
-        """The chunked head + CE with the draft's output transform (the target's, as ``compute_logits``)."""
+        """The chunked head + CE with the draft's output transform."""
         return head_cross_entropy(
-            hidden,
-            self.lm_head,
-            targets,
-            weights,
-            self.loss_chunk_size,
-            top_k=top_k,
-            multiplier=getattr(self.draft_model, "output_multiplier", 1.0),
-            softcap=getattr(self.draft_model, "final_logit_softcapping", None),
+            hidden, self.lm_head, targets, weights, self.loss_chunk_size, top_k=top_k, **self.output_transform()
         )
 
     def forward(self, input_ids, hidden_states, loss_mask, position_ids=None, seq_lens=None, doc_remaining=None):

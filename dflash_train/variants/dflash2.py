@@ -101,9 +101,7 @@ class ChunkedSelectorLoss(ChunkedBlockLoss):
         block_ce = head.weighted_nll / (loss_weight + 1e-6)
 
         candidates = head.top_ids
-        multiplier = getattr(self.draft_model, "output_multiplier", 1.0)
-        softcap = getattr(self.draft_model, "final_logit_softcapping", None)
-        unary = logits_at(hidden, self.lm_head, candidates, multiplier, softcap)
+        unary = logits_at(hidden, self.lm_head, candidates, **self.output_transform())
         # teacher-forced predecessor: position k is scored after the token at anchor + k - 1
         scores = selector.pair_scores(hidden, unary, candidates, target_ids[:, :, :-1])
         in_candidates = candidates == targets.unsqueeze(-1)
