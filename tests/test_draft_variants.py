@@ -85,8 +85,8 @@ def test_dflash2_selector_loss_and_candidate_recall_match_a_direct_computation(t
     expected = float(metrics.base_loss) + cfg.selector_loss_weight * weighted_nll / weight_sum
     assert float(metrics.loss) == pytest.approx(expected, rel=1e-5)
     logged = spec.variant.step_metrics(metrics)
-    assert logged["candidate_recall"] == float(metrics.candidate_recall)
-    assert logged["selector_loss"] == float(metrics.selector_loss)
+    assert float(logged["candidate_recall"]) == float(metrics.candidate_recall)
+    assert float(logged["selector_loss"]) == float(metrics.selector_loss)
 
 
 def _export(tiny_target, cfg, out, mask_token_id=MASK_ID, layers=LAYERS):

@@ -29,8 +29,10 @@ class SpeechBatch:
     Text is tokenized with the target's tokenizer; every audio contributes exactly one
     ``audio_locator_tag`` token, which ``FrozenTarget.splice_batch`` expands into that
     audio's perception frames. Rows are right-padded with the tokenizer's pad id.
-    ``row_lengths`` / ``audio_positions`` are host copies of where the placeholders are,
-    filled by the data loader so splicing never reads them back from the GPU.
+    ``row_lengths`` / ``audio_positions`` are host copies of where the placeholders are, and
+    ``audio_frames`` / ``supervised_tokens`` / ``max_documents`` host copies of sizes the step
+    needs; the data loader fills them (:meth:`with_placements`) so that a training step never
+    reads them back from the GPU (each read would stall the host until the device catches up).
     """
 
     input_ids: torch.Tensor  # [B, T] long
@@ -44,11 +46,32 @@ class SpeechBatch:
     dataset_name: str = field(default="train")
     row_lengths: Optional[list[int]] = None  # == lengths.tolist()
     audio_positions: Optional[list[list[int]]] = None  # per row: placeholder positions in order
+    audio_frames: Optional[list[int]] = None  # per audio: its perception frames (the exact estimate)
+    supervised_tokens: Optional[int] = None  # == loss_mask.sum()
+    max_documents: Optional[int] = None  # most documents in one row (1 unpacked)
+    anchor_runway: Optional[int] = None  # see with_placements
 
-    def with_placements(self, placeholder_id: int) -> "SpeechBatch":
-        """The batch with ``row_lengths`` and ``audio_positions`` filled (see :func:`audio_placements`)."""
+    def with_placements(
+        self, placeholder_id: int, audio_frames: Optional[list[int]] = None, anchor_runway: Optional[int] = None
+    ) -> "SpeechBatch":
+        """The batch with its host copies filled: placements (see :func:`audio_placements`), the supervised
+        token count, the most documents in a row and, when given, each audio's perception frame count and
+        the anchor runway: the most text tokens that follow a supervised token (not its document's first)
+        inside its document, audio placeholders not counted. Splicing only adds positions, so a variant
+        whose anchors need at most that many following tokens has one in this batch (no device read)."""
         row_lengths, positions = audio_placements(self.input_ids, self.lengths, placeholder_id)
-        return replace(self, row_lengths=row_lengths, audio_positions=positions)
+        documents = 1
+        if self.document_ids is not None and self.document_ids.numel():
+            documents = max(1, int(self.document_ids.max()) + 1)
+        return replace(
+            self,
+            row_lengths=row_lengths,
+            audio_positions=positions,
+            audio_frames=audio_frames,
+            anchor_runway=anchor_runway,
+            supervised_tokens=int(self.loss_mask.sum()),
+            max_documents=documents,
+        )
 
     def placements(self, placeholder_id: int) -> tuple[list[int], list[list[int]]]:
         """``(row_lengths, audio_positions)``: the host copies, or read from the tensors if absent."""

@@ -46,6 +46,16 @@ def _stack_audio(waves: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     return audios, lens
 
 
+def anchor_runway(example: Example, placeholder_id: int) -> int:
+    """The most text tokens (audio placeholders not counted) after a supervised token of ``example`` other
+    than its first; -1 when it has none (see ``SpeechBatch.with_placements``)."""
+    text = np.asarray(example.input_ids) != placeholder_id
+    following = np.cumsum(text[::-1])[::-1] - text  # text tokens after each position
+    supervised = np.asarray(example.loss_mask, dtype=bool).copy()
+    supervised[:1] = False
+    return int(following[supervised].max()) if supervised.any() else -1
+
+
 def collate_padded(examples: Sequence[Example], pad_id: int, dataset_name: str) -> SpeechBatch:
     """One row per example, right-padded with ``pad_id`` (padding sits after every real token)."""
     lengths = torch.tensor([len(ex.input_ids) for ex in examples], dtype=torch.long)
@@ -107,4 +117,6 @@ class SpeechDataset(torch.utils.data.Dataset):
             batch = collate_packed(examples, self.dataset_name)
         else:
             batch = collate_padded(examples, self.pad_id, self.dataset_name)
-        return batch.with_placements(self.placeholder_id)
+        frames = [count for ex in examples for count in ex.audio_frames]
+        runway = max(anchor_runway(ex, self.placeholder_id) for ex in examples)
+        return batch.with_placements(self.placeholder_id, frames, runway)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -18,19 +18,23 @@ class DocumentLayout(NamedTuple):
     doc_remaining: torch.Tensor  # [B, S] tokens of the same document after this one (-1 on padding)
 
 
-def document_layout(document_ids: torch.Tensor) -> DocumentLayout:
+def document_layout(document_ids: torch.Tensor, max_documents: Optional[int] = None) -> DocumentLayout:
     """Layout from ``document_ids`` ``[B, S]`` (document index per token, ``-1`` on trailing padding).
 
     Documents are contiguous and numbered 0, 1, ... within each row; an unpacked row is a
-    single document 0.
+    single document 0. ``max_documents`` (at least the most documents in a row, known on the
+    host) spares reading it back from the device.
     """
     batch, width = document_ids.shape
     device = document_ids.device
     valid = document_ids >= 0
-    max_docs = int(document_ids.max().item()) + 1 if valid.any() else 1
+    if max_documents is None:
+        max_documents = int(document_ids.max().item()) + 1 if valid.any() else 1
+    max_docs = max_documents
     doc_index = document_ids.clamp(min=0)
-    one_hot = torch.nn.functional.one_hot(doc_index, max_docs) * valid.unsqueeze(-1)  # [B, S, D]
-    seq_lens = one_hot.sum(dim=1)  # [B, D]
+    # a comparison, not F.one_hot: that one reads the indices' range back to the host to check it
+    one_hot = (doc_index.unsqueeze(-1) == torch.arange(max_docs, device=device)) & valid.unsqueeze(-1)  # [B, S, D]
+    seq_lens = one_hot.sum(dim=1)  # [B, D] long
     starts = seq_lens.cumsum(dim=1) - seq_lens  # [B, D]
     start_of_token = torch.gather(starts, 1, doc_index)
     length_of_token = torch.gather(seq_lens, 1, doc_index)

@@ -172,7 +172,10 @@ class MTPTrainerCore(nn.Module):
         weights = supervised.float() * torch.tensor(self.step_weights, device=hidden.device)
         weight = weights.sum()
         if self.loss_chunk_size:
-            head = head_cross_entropy(hidden, self.lm_head, labels, weights, self.loss_chunk_size, positions=supervised)
+            head = head_cross_entropy(
+                hidden, self.lm_head, labels, weights, self.loss_chunk_size, positions=supervised,
+                max_positions=supervised.numel(),
+            )
             weighted_nll, predictions = head.weighted_nll, head.predictions
         else:
             logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()

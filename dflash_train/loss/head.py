@@ -6,8 +6,9 @@ row are 2.5 GB in FP32, and cross-entropy keeps about three such tensors alive (
 softmax, the gradient) — tens of GB for a batch, more than the draft's activations and the target
 together. :func:`head_cross_entropy` never holds more than ``chunk_size`` rows of logits:
 
-* only the supervised positions (weight > 0) go through the head — block position 0 and padded
-  blocks never do;
+* only the supervised positions (weight > 0) go through the head, or, so that a training step never
+  waits on the device for their count, a host bound of slots they are packed into (the trainer cores
+  pass the positions' shape: block position 0 never runs, padded blocks run with zero weight);
 * each chunk's logits are computed, reduced to its weighted NLL, argmax (and top-k when asked), and
   turned straight into the gradient with respect to the hidden states, ``(softmax − onehot) · w · W``;
   the chunk's logits are then freed, so backward is one multiplication by the incoming scalar
@@ -106,12 +107,15 @@ def head_cross_entropy(
     multiplier: float = 1.0,
     softcap: Optional[float] = None,
     positions: Optional[torch.Tensor] = None,
+    max_positions: Optional[int] = None,
 ) -> HeadLoss:
     """Σ w·CE of the frozen ``head`` (an ``nn.Linear``, ``[V, H]``) at ``hidden [..., H]`` against
     ``targets [...]`` with ``weights [...]``, ``chunk_size`` rows of logits at a time (module docstring).
 
-    Only ``positions [...]`` (bool; default: ``weights != 0``) go through the head. Picking them costs one
-    device-to-host read (their count).
+    Only ``positions [...]`` (bool; default: ``weights != 0``) go through the head. Picking exactly them
+    costs one device-to-host read (their count). With ``max_positions`` (a host bound on their count)
+    there is no read: they are packed into that many slots, and the slots left over run the head with
+    zero weight (no loss, no gradient, their predictions discarded).
     """
     weight, bias = head.weight, getattr(head, "bias", None)
     if weight.requires_grad or (bias is not None and bias.requires_grad):
@@ -120,29 +124,38 @@ def head_cross_entropy(
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     leading = targets.shape
     flat_weights = weights.reshape(-1)
-    rows = (flat_weights != 0 if positions is None else positions.reshape(-1)).nonzero().squeeze(1)
-    picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows).to(weight.dtype)
+    total = flat_weights.numel()
+    chosen = flat_weights != 0 if positions is None else positions.reshape(-1)
+    if max_positions is None:
+        rows = chosen.nonzero().squeeze(1)
+    else:  # slots past the chosen count hold ``total``: a scratch slot one past the end
+        rows = torch.nonzero_static(chosen, size=min(max_positions, total), fill_value=total).squeeze(1)
+    source = rows.clamp(max=max(total - 1, 0))
+    row_weights = flat_weights.index_select(0, source).to(torch.promote_types(weight.dtype, torch.float32))
+    if max_positions is not None:
+        row_weights = row_weights * (rows < total)
+    picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, source).to(weight.dtype)
     with_grad = torch.is_grad_enabled() and picked.requires_grad
     outputs = _ChunkedHeadCrossEntropy.apply(
         picked,
         weight,
         bias,
-        targets.reshape(-1).index_select(0, rows),
-        flat_weights.index_select(0, rows).to(torch.promote_types(weight.dtype, torch.float32)),
+        targets.reshape(-1).index_select(0, source),
+        row_weights,
         chunk_size,
         float(multiplier),
         softcap,
         top_k,
         with_grad,
     )
-    predictions = torch.full((flat_weights.numel(),), -1, dtype=torch.long, device=hidden.device)
+    predictions = torch.full((total + 1,), -1, dtype=torch.long, device=hidden.device)
     predictions[rows] = outputs[1]
     top_ids = None
     if top_k:
-        top_ids = torch.zeros((flat_weights.numel(), top_k), dtype=torch.long, device=hidden.device)
+        top_ids = torch.zeros((total + 1, top_k), dtype=torch.long, device=hidden.device)
         top_ids[rows] = outputs[2]
-        top_ids = top_ids.view(*leading, top_k)
-    return HeadLoss(outputs[0], predictions.view(leading), top_ids)
+        top_ids = top_ids[:total].view(*leading, top_k)
+    return HeadLoss(outputs[0], predictions[:total].view(leading), top_ids)
 
 
 def logits_at(hidden: torch.Tensor, head: nn.Module, token_ids: torch.Tensor, multiplier: float = 1.0,

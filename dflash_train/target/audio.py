@@ -22,6 +22,7 @@ class AudioLLM(FrozenLLM):
     """
 
     perception_dtype: torch.dtype | None = None
+    _frames_checked = False  # host frame counts were compared with the perception's once
 
     def freeze(self) -> None:
         """Frozen (:meth:`FrozenLLM.freeze`), and the perception runs no collective of its own.
@@ -89,26 +90,47 @@ class AudioLLM(FrozenLLM):
             self.perception_dtype = saved_dtype
 
     @torch.no_grad()
-    def encode_audio(self, audios: torch.Tensor, audio_lens: torch.Tensor) -> list[torch.Tensor]:
-        """Perception output per audio, unpadded: a list of ``[frames_i, H]``."""
+    def encode_audio(
+        self, audios: torch.Tensor, audio_lens: torch.Tensor, frames: list[int] | None = None
+    ) -> list[torch.Tensor]:
+        """Perception output per audio, unpadded: a list of ``[frames_i, H]``.
+
+        ``frames``: each audio's frame count, known on the host (the data loader's exact estimate).
+        Without encoder chunking the padded output is then cut at those counts, with no read of the
+        device's own lengths (NeMo's unpadding reads one per audio: a host stall each on a GPU); the
+        first such batch checks the counts against the perception's once. Otherwise NeMo's
+        ``encode_audio_with_optional_chunking`` encodes and unpads.
+        """
         from nemo.collections.speechlm2.parts.encoder_chunking import encode_audio_with_optional_chunking
 
-        frames = encode_audio_with_optional_chunking(
-            self.perception,
-            audios,
-            audio_lens,
-            chunk_size_seconds=self.encoder_chunk_size_seconds,
-            sampling_rate=self.sampling_rate,
-        )
+        if frames is not None and self.encoder_chunk_size_seconds is None:
+            padded, lengths = self.perception(input_signal=audios, input_signal_length=audio_lens)
+            if not self._frames_checked:
+                measured = lengths.tolist()
+                if measured != list(frames):
+                    raise ConfigError(
+                        f"the perception produced {measured} frames where the data loader estimated {list(frames)}: "
+                        "the frame estimator does not describe this target's perception; report it with the target"
+                    )
+                self._frames_checked = True
+            encoded = [padded[i, :count] for i, count in enumerate(frames)]
+        else:
+            encoded = encode_audio_with_optional_chunking(
+                self.perception,
+                audios,
+                audio_lens,
+                chunk_size_seconds=self.encoder_chunk_size_seconds,
+                sampling_rate=self.sampling_rate,
+            )
         if self.perception_dtype is None:
-            return frames
-        return [f.to(self.perception_dtype) for f in frames]
+            return encoded
+        return [f.to(self.perception_dtype) for f in encoded]
 
     @torch.no_grad()
     def splice_batch(self, batch: SpeechBatch, mask_token_id: int) -> SplicedBatch:
         """Embed text, run perception on the audio and splice its frames at the placeholders."""
         has_audio = len(batch.audios_per_row) and sum(batch.audios_per_row)
-        audio_embeds = self.encode_audio(batch.audios, batch.audio_lens) if has_audio else []
+        audio_embeds = self.encode_audio(batch.audios, batch.audio_lens, batch.audio_frames) if has_audio else []
         row_lengths, audio_positions = batch.placements(self.audio_locator_tag_id)
         safe_ids = torch.where(batch.input_ids == self.audio_locator_tag_id, self.pad_id, batch.input_ids)
         return splice_audio_frames(

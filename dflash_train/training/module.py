@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 SKIP_NO_ANCHOR = "no_valid_anchor"
 IDENTITY_KEY = "dflash_train_identity"  # checkpoint entry: what a resume must agree with
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where torch ships a fused AdamW kernel
 
 
 @dataclass
@@ -142,6 +143,10 @@ class DFlashDraftModule(L.LightningModule):
         self.grad_norm = float("nan")  # of the last applied step, after normalisation, before clipping
         self._val_stats: dict[str, BlockStats] = {}
         self._window_weight = 0.0  # this rank's Σ w over the current accumulation window
+        self._log_window: Optional[torch.Tensor] = None  # this rank's step sums since the last log step (device)
+        self._log_window_started: Optional[float] = None  # when the log window began (the last log step's end)
+        self._log_window_steps = 0
+        self._log_window_skipped = 0  # steps since the last log step that applied nothing
         if settings.projection_only:
             for name, param in self.draft.named_parameters():
                 param.requires_grad_(name == "fc.weight")
@@ -233,12 +238,14 @@ class DFlashDraftModule(L.LightningModule):
         spliced = target.splice_batch(batch, self.spec.mask_token_id)
         packed = spliced.document_ids is not None
         doc_ids = spliced.document_ids if packed else torch.where(spliced.attention_mask, 0, -1)
-        layout = document_layout(doc_ids)
+        layout = document_layout(doc_ids, batch.max_documents if packed else 1)
         argmax = self.settings.label_source == "target_argmax"
         taps_features = self.spec.variant.uses_taps
+        # Rows are right-padded: in a causal target no real position can see the padding that follows
+        # it, so the target runs without a padding mask (HF would read the mask back to pick a kernel).
         taps = target.forward_taps(
             spliced.inputs_embeds,
-            None if packed else spliced.attention_mask,
+            None,
             self.settings.layer_ids if taps_features else [],
             return_last_hidden=argmax or not taps_features,
             position_ids=layout.position_ids if packed else None,
@@ -246,7 +253,9 @@ class DFlashDraftModule(L.LightningModule):
         )
         ids = spliced.input_ids
         if argmax:
-            ids = target_argmax_labels(ids, spliced.loss_mask, taps.last_hidden, target.lm_head)
+            ids = target_argmax_labels(
+                ids, spliced.loss_mask, taps.last_hidden, target.lm_head, supervised_bound=batch.supervised_tokens
+            )
         features, embeds = taps.features, None
         if not taps_features:  # the final hidden state, and the embeddings of the (label) tokens
             features = taps.last_hidden
@@ -259,10 +268,14 @@ class DFlashDraftModule(L.LightningModule):
             inputs = pad_to_multiple(inputs, FLEX_LENGTH_MULTIPLE)
         return inputs
 
-    def has_valid_anchor(self, inputs: StepInputs) -> bool:
+    def has_valid_anchor(self, inputs: StepInputs, runway: Optional[int] = None) -> bool:
         """Whether any row holds an anchor of this variant (DFlash: a supervised position with a full block
-        left in its document)."""
-        return self.spec.variant.has_valid_anchor(self.spec.cfg, inputs.loss_mask, inputs.doc_remaining)
+        left in its document). A batch's host ``anchor_runway`` of at least the variant's span answers it
+        without reading the device; otherwise the device answers."""
+        variant, cfg = self.spec.variant, self.spec.cfg
+        if runway is not None and runway >= variant.block_span(cfg):
+            return True
+        return variant.has_valid_anchor(cfg, inputs.loss_mask, inputs.doc_remaining)
 
     def run_core(self, inputs: StepInputs, rng_key: int, preferred: Optional[list[PreferredRow]] = None):
         """One trainer-core forward; anchor sampling is seeded by ``rng_key`` so resumes are exact.
@@ -316,7 +329,13 @@ class DFlashDraftModule(L.LightningModule):
             embeds=None if like.embeds is None else like.embeds.new_zeros(1, length, like.embeds.shape[-1]),
         )
 
-    def _forward_core(self, inputs: StepInputs, rng_key: int, preferred: Optional[list[PreferredRow]] = None):
+    def _forward_core(
+        self,
+        inputs: StepInputs,
+        rng_key: int,
+        preferred: Optional[list[PreferredRow]] = None,
+        runway: Optional[int] = None,
+    ):
         """The core on ``inputs``, or on :meth:`placeholder_inputs` with zero weight when they hold no anchor.
 
         Returns ``(metrics, sums, loss_sum)``: ``sums`` are the batch's :class:`BlockStats`
@@ -324,7 +343,7 @@ class DFlashDraftModule(L.LightningModule):
         of this batch, the quantity whose gradient, summed over ranks and micro-batches and
         divided by the window's Σ w, is the gradient of the exact window loss.
         """
-        if self.has_valid_anchor(inputs):
+        if self.has_valid_anchor(inputs, runway):
             metrics = self.run_core(inputs, rng_key, preferred)
             return metrics, step_sums(metrics), metrics.loss * metrics.loss_weight
         self.core.placeholder = True  # a core that pools statistics over ranks counts this forward as zero
@@ -350,7 +369,9 @@ class DFlashDraftModule(L.LightningModule):
         micro = batch_idx % accumulate  # not batch_idx itself: it restarts when a run resumes
         inputs = self.prepare(batch)
         preferred = self._serving_anchors(batch, inputs, micro)
-        metrics, sums, loss_sum = self._forward_core(inputs, self._rng_key(self.global_step, micro, 0), preferred)
+        metrics, sums, loss_sum = self._forward_core(
+            inputs, self._rng_key(self.global_step, micro, 0), preferred, batch.anchor_runway
+        )
         if metrics is None:
             self.skip_counts[SKIP_NO_ANCHOR] += 1
         # DP frameworks average gradients over ranks; the world size undoes that average.
@@ -432,33 +453,54 @@ class DFlashDraftModule(L.LightningModule):
         return applied
 
     def _log_train(self, sums: torch.Tensor, metrics, inputs: StepInputs, started: float, stepped: bool) -> None:
-        """Log this step's sums over all ranks: one all-reduce, one read-back to the host."""
-        elapsed = time.perf_counter() - started
-        reasons, data_skips = self._local_data_skips()
+        """Add this step's sums to the log window's, on the device; on a log step, log the window.
+
+        Between log steps nothing is read back to the host (each read would stall it until the
+        device has caught up). On a log step (``trainer.log_every_n_steps``) one all-reduce sums the
+        window over ranks and one read brings it back: loss, accuracy and acceptance are exact ratios
+        over the window's steps, throughput is its wall-clock time (the read waits for the device, so
+        the time is the device's), and the variant's own metrics are this step's, this rank's.
+        """
         tokens_here = inputs.doc_remaining.ge(0).sum().double().reshape(1)
+        window = torch.cat([sums, tokens_here])
+        if self._log_window_started is None:
+            self._log_window_started = started
+        self._log_window = window if self._log_window is None else self._log_window + window
+        self._log_window_steps += 1
+        self._log_window_skipped += 0 if stepped else 1
+        last = self.trainer.max_steps > 0 and self.global_step >= self.trainer.max_steps
+        if not (self.trainer._logger_connector.should_update_logs or last):  # Lightning's rule for this batch
+            return
+        reasons, data_skips = self._local_data_skips()
         host = torch.tensor([float(self.skip_counts[SKIP_NO_ANCHOR])] + data_skips, dtype=torch.float64, device=self.device)
-        summed = all_reduce_sum(torch.cat([sums, tokens_here, host])).tolist()
+        variant = self.spec.variant.step_metrics(metrics) if metrics is not None else {}
+        local = [value.detach().double().reshape(1) for value in variant.values()]
+        summed = torch.cat([all_reduce_sum(torch.cat([self._log_window, host]))] + local).tolist()  # the one read
+        now = time.perf_counter()
+        elapsed = now - self._log_window_started
+        steps, skipped = self._log_window_steps, self._log_window_skipped
+        self._log_window, self._log_window_started, self._log_window_steps, self._log_window_skipped = None, now, 0, 0
         count = len(sums)
         total, (tokens, no_anchor) = BlockStats(*summed[:count]), summed[count : count + 2]
+        data_values = summed[count + 2 : count + 2 + len(reasons)]
         values = {
             "train/dflash_loss": total.loss,
             "train/dflash_accuracy": total.accuracy,
             "train/accept_len": total.accept_len,
-            "train/valid_tokens": total.tokens,
-            "train/valid_blocks": total.blocks,
-            "train/dflash_skipped_step": 0.0 if stepped else 1.0,
+            "train/valid_tokens": total.tokens / steps,
+            "train/valid_blocks": total.blocks / steps,
+            "train/dflash_skipped_step": float(skipped),
             f"train/skipped/{SKIP_NO_ANCHOR}": no_anchor,
             "train/skipped/nonfinite": float(self.nonfinite_steps),  # agreed on every rank: not reduced
             "train/grad_norm": self.grad_norm,
             "train/tokens_per_second": tokens / max(elapsed, 1e-9),
-            "train/step_time": elapsed,
+            "train/step_time": elapsed / steps,
             "train/lr": self.optimizers().param_groups[0]["lr"],
         }
-        values.update({f"data/skipped/{reason}": value for reason, value in zip(reasons, summed[count + 2 :])})
+        values.update({f"data/skipped/{reason}": value for reason, value in zip(reasons, data_values)})
+        values.update({f"train/{name}": value for name, value in zip(variant, summed[count + 2 + len(reasons) :])})
         if torch.cuda.is_available() and self.device.type == "cuda":
             values["train/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        if metrics is not None:
-            values.update({f"train/{name}": value for name, value in self.spec.variant.step_metrics(metrics).items()})
         self.log_dict(values, on_step=True)
         self.log_dict(
             {"loss": total.loss, "accept_len": total.accept_len, "tok/s": values["train/tokens_per_second"]},
@@ -485,7 +527,7 @@ class DFlashDraftModule(L.LightningModule):
     def validation_step(self, batch: SpeechBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
         name = self.settings.val_names[dataloader_idx]
         inputs = self.prepare(batch)
-        _, sums, _ = self._forward_core(inputs, self._rng_key(0, batch_idx, 1 + dataloader_idx))
+        _, sums, _ = self._forward_core(inputs, self._rng_key(0, batch_idx, 1 + dataloader_idx), runway=batch.anchor_runway)
         self._val_stats[name].add(BlockStats(*sums.tolist()))
 
     def on_validation_epoch_end(self) -> None:
@@ -544,7 +586,9 @@ class DFlashDraftModule(L.LightningModule):
         if optim.optimizer is not None:
             optimizer = instantiate(optim.optimizer, params=params)
         else:
-            fused = bool(params) and all(p.is_cuda for p in params)  # one kernel per step where CUDA allows
+            # fused: one kernel per step, and the step counters stay on the device (the per-parameter loop reads
+            # each one back to the host every step)
+            fused = bool(params) and all(p.device.type in FUSED_ADAMW_DEVICES for p in params)
             optimizer = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay, fused=fused or None)
         if optim.lr_scheduler is None:
             return optimizer

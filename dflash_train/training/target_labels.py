@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -15,18 +17,29 @@ def target_argmax_labels(
     last_hidden: torch.Tensor,
     lm_head: nn.Module,
     chunk_rows: int = LABEL_CHUNK_ROWS,
+    supervised_bound: Optional[int] = None,
 ) -> torch.Tensor:
     """``input_ids`` with every supervised position *p* replaced by ``argmax(lm_head(h[p-1]))``.
 
     The target's logits at *p − 1* label position *p* (teacher-forced context). Only the
     supervised positions' predecessors go through the LM head, ``chunk_rows`` at a time, so
     full ``[S, V]`` logits are never held. Position 0 has no predecessor and keeps its id.
+
+    ``supervised_bound``: at least the number of supervised positions, known on the host (the
+    batch's count); the positions are then picked into that many slots with no host read.
+    Without it, picking them reads their count back from the device.
     """
-    labels = input_ids.clone()
     where = loss_mask.bool().clone()
     where[:, 0] = False
-    rows, cols = where.nonzero(as_tuple=True)
-    for start in range(0, rows.numel(), chunk_rows):
-        r, c = rows[start : start + chunk_rows], cols[start : start + chunk_rows]
-        labels[r, c] = lm_head(last_hidden[r, c - 1]).argmax(dim=-1)
-    return labels
+    flat_where = where.reshape(-1)
+    size = flat_where.numel()
+    if supervised_bound is None:
+        picked = flat_where.nonzero().squeeze(1)
+    else:  # unused slots point one past the end: a scratch slot of the output
+        picked = torch.nonzero_static(flat_where, size=min(supervised_bound, size), fill_value=size).squeeze(1)
+    labels = torch.cat([input_ids.reshape(-1), input_ids.new_zeros(1)])
+    hidden = last_hidden.reshape(size, -1)
+    for start in range(0, picked.numel(), chunk_rows):
+        slots = picked[start : start + chunk_rows]
+        labels[slots] = lm_head(hidden[(slots - 1).clamp(max=size - 1)]).argmax(dim=-1)
+    return labels[:size].view_as(input_ids)

@@ -142,8 +142,9 @@ class DraftVariant:
         """One message per key that does not fit the target's sizes."""
         yield from ()
 
-    def step_metrics(self, metrics) -> dict[str, float]:
-        """Variant-specific training metrics of a step's trainer-core output (``train/<name>``)."""
+    def step_metrics(self, metrics) -> dict[str, torch.Tensor]:
+        """Variant-specific training metrics of a step's trainer-core output (``train/<name>``), as device
+        scalars: the module reads them back only on log steps, with the step's other sums."""
         return {}
 
     def decode_forward_kwargs(self, num_speculative_tokens: int) -> dict:

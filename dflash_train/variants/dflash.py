@@ -39,9 +39,16 @@ class ChunkedBlockLoss:
         }
 
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, top_k: int = 0) -> HeadLoss:
-        """The chunked head + CE with the draft's output transform."""
+        """The chunked head + CE with the draft's output transform, sized on the host (no read-back)."""
         return head_cross_entropy(
-            hidden, self.lm_head, targets, weights, self.loss_chunk_size, top_k=top_k, **self.output_transform()
+            hidden,
+            self.lm_head,
+            targets,
+            weights,
+            self.loss_chunk_size,
+            top_k=top_k,
+            max_positions=weights.numel(),
+            **self.output_transform(),
         )
 
     def forward(self, input_ids, hidden_states, loss_mask, position_ids=None, seq_lens=None, doc_remaining=None):

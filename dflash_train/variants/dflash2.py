@@ -64,13 +64,9 @@ class DFlash2(DFlash):
         if cfg.selector_top_k > dims.vocab_size:
             yield f"dflash.selector_top_k={cfg.selector_top_k} exceeds the target vocabulary ({dims.vocab_size})"
 
-    def step_metrics(self, metrics) -> dict[str, float]:
-        return {
-            "base_loss": float(metrics.base_loss),
-            "selector_loss": float(metrics.selector_loss),
-            "base_accept_len": float(metrics.base_accept_len),
-            "candidate_recall": float(metrics.candidate_recall),
-        }
+    def step_metrics(self, metrics) -> dict[str, torch.Tensor]:
+        names = ("base_loss", "selector_loss", "base_accept_len", "candidate_recall")
+        return {name: torch.as_tensor(getattr(metrics, name)) for name in names}
 
     def decode_forward_kwargs(self, num_speculative_tokens: int) -> dict:
         # the in-block convolutions span the whole query block: vLLM sets their block to 1 + K

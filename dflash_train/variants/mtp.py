@@ -121,10 +121,9 @@ class MTP(DraftVariant):
     def describe_draft(self, cfg: MTPConfig) -> str:
         return f"mtp, one step of pattern {cfg.hybrid_override_pattern!r} applied {cfg.num_nextn_predict_layers} times"
 
-    def step_metrics(self, metrics) -> dict[str, float]:
-        tokens = metrics.step_tokens.clamp_min(1)
-        accuracy = (metrics.step_correct / tokens).tolist()
-        return {f"step{k + 1}_accuracy": float(a) for k, a in enumerate(accuracy)}
+    def step_metrics(self, metrics) -> dict[str, torch.Tensor]:
+        accuracy = metrics.step_correct / metrics.step_tokens.clamp_min(1)
+        return {f"step{k + 1}_accuracy": accuracy[k] for k in range(accuracy.shape[0])}
 
 
 MTP_VARIANT = MTP()
