@@ -47,12 +47,18 @@ def _direct(head, hidden, targets, weights, multiplier, softcap):
 
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
 @pytest.mark.parametrize("multiplier, softcap", [(1.0, None), (0.5, 3.0)])
-def test_head_cross_entropy_equals_the_full_logits_computation(chunk, multiplier, softcap):
+@pytest.mark.parametrize("bound", [None, "shape"])
+def test_head_cross_entropy_equals_the_full_logits_computation(chunk, multiplier, softcap, bound):
+    """Picking the supervised rows by their count read back, or into a host bound of slots (the trainer
+    cores' way: the leftover slots run with zero weight and must not leak into loss, gradient or outputs)."""
     head, hidden, targets, weights = _case()
     expected, logits = _direct(head, hidden, targets, weights, multiplier, softcap)
     (expected_grad,) = torch.autograd.grad(expected, hidden)
 
-    result = head_cross_entropy(hidden, head, targets, weights, chunk, top_k=5, multiplier=multiplier, softcap=softcap)
+    result = head_cross_entropy(
+        hidden, head, targets, weights, chunk, top_k=5, multiplier=multiplier, softcap=softcap,
+        max_positions=None if bound is None else weights.numel(),
+    )
     (grad,) = torch.autograd.grad(2.0 * result.weighted_nll, hidden)  # the incoming gradient scales it
 
     torch.testing.assert_close(result.weighted_nll, expected, rtol=1e-5, atol=0)
