@@ -17,14 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import compose, tiny_run_overrides
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from dflash_train.config import validate_config
 from dflash_train.data.packing import document_layout
 from dflash_train.draft import DraftSpec, build_draft
 from dflash_train.draft import attention
-from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE, FlexRecompileError
+from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE, FlexRecompileError, compiled_entries
 from dflash_train.training.module import DFlashDraftModule, ModuleSettings, StepInputs, pad_to_multiple
 
 LAYERS = (1, 3)
@@ -73,10 +71,6 @@ def flex_module(tiny_salm_dir, tiny_target):
     attention._compiled_flex_attention.cache_clear()
 
 
-def _entries() -> dict[str, int]:
-    return {fn.__name__: len(_debug_get_cache_entry_list(fn.__code__)) for fn in (flex_attention, create_block_mask)}
-
-
 def test_twenty_batch_shapes_in_both_grad_modes_compile_four_entries_per_function(flex_module, tiny_target):
     torch._dynamo.reset()
     seen = set()
@@ -87,7 +81,7 @@ def test_twenty_batch_shapes_in_both_grad_modes_compile_four_entries_per_functio
                 metrics = flex_module.run_core(inputs, rng_key=index)
             assert float(metrics.valid_tokens) > 0
             seen.add((tuple(inputs.input_ids.shape), int(metrics.valid_blocks) > 0))
-    entries = _entries()
+    entries = compiled_entries()
     print(f"{len(seen)} batch shapes x 2 grad modes -> compiled entries {entries}")
     assert len({shape for shape, _ in seen}) >= 20
     # the fixed classes: grad mode x (one row | more rows), whatever the lengths and anchor counts

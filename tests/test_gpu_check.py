@@ -25,6 +25,13 @@ def test_gpu_check_cpu_smoke_fits_exports_and_resumes(tmp_path):
     assert fit["export_tensors_verified"] > 0
     assert fit["params_draft_non_embedding"] > 0 and fit["params_target_non_embedding"] > 0
     assert report["backend_agreement"] == {"ran": False, "reason": "flex_attention's backward needs CUDA"}
+    # the exit code's checks, each true: exact resume of the weights, validation, syncs, precision
+    assert report["checks"] and all(report["checks"].values()), report["checks"]
+    assert fit["resume_weights_max_abs_diff"] == 0.0 and fit["validation_loss"] is not None
+    assert fit["host_syncs_between_log_steps_max"] <= 3 and fit["gradient_clip_val"] == 1.0
+    assert set(report["phases_s"]) == {"copy", "target", "draft_forward", "backward", "optimizer"}
+    assert all(entry["blocks"] > 0 for entry in report["memory_by_anchors"].values())
+    assert out.with_suffix(".md").read_text().startswith("| figure | value |")
 
     # every distribution the check imported is on the stock image or carried, at the version tested here
     imported = {canonicalize_name(name): version for name, version in report["imported_distributions"].items()}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import math
 import os
 import re
 import signal
@@ -196,6 +197,50 @@ def test_fsdp2_shards_the_draft_over_both_ranks(straight):
         totals.add(total)
     (total,) = totals
     assert sum(held) == total and max(held) <= total // 2 + 64 * 16  # dim-0 shards: at most one row apart
+
+
+def test_the_target_is_hashed_once_on_rank_zero_and_both_ranks_hold_its_digest(straight, tiny_salm_dir):
+    """Rank 0 alone reads the target's weights for the checkpoint identity and broadcasts the digest: the
+    hashing line is in rank 0's log only, and the checkpoint (written with rank 1 taking part) holds it."""
+    from dflash_train.files import sha256_file
+
+    run_dir, exp_dir, _ = straight
+    lines = {rank: re.findall(r"target weights SHA-256 (\w+)…", next(exp_dir.rglob(f"dflash_train_rank{rank}.log")).read_text())
+             for rank in (0, 1)}
+    digest = sha256_file(tiny_salm_dir / "model.safetensors")
+    assert lines == {0: [digest[:16]], 1: []}
+    checkpoint = torch.load(next((run_dir / "checkpoints").glob("*.ckpt")), map_location="cpu", weights_only=False)
+    assert checkpoint["dflash_train_identity"]["target_weights_sha256"] == digest
+
+
+def test_a_hybrid_mamba_target_trains_under_fsdp2_on_two_ranks_with_packed_rows(tiny_hybrid_dir, demo_data, tmp_path):
+    """The runbook's target family through the recipe users launch: a Nemotron-H SpeechLM (Mamba-2, attention,
+    MoE blocks in SALMAutomodel's names) behind torchrun, FSDP2 over 2 ranks, DFlash2, BF16, shuffling
+    workers, packed rows (each document runs apart through the Mamba blocks) and serving validation, which
+    decodes on the Mamba cache. Both ranks shard, train, validate and the export reloads strictly."""
+    from dflash_train.evaluate.loading import load_draft
+    from dflash_train.target.load import open_speech_target
+    from dflash_train.config.schema import ModelConfig
+
+    train, val = demo_data
+    run_dir, exp_dir = tmp_path / "run", tmp_path / "exp"
+    output = _run(_launch_command(
+        tiny_hybrid_dir, run_dir, exp_dir, train, val,
+        "model=salm_automodel", "trainer.max_steps=4", "trainer.val_check_interval=4", "dflash.serving_val_samples=2",
+        "dflash.selector_rank=16", "dflash.selector_top_k=8", "data.train_ds.packing=true",
+        "data.train_ds.batch_tokens=512", "data.train_ds.use_bucketing=false",
+    ))
+    assert "Mamba blocks run on PyTorch reference ops" in output
+    for rank in (0, 1):
+        text = next(exp_dir.rglob(f"dflash_train_rank{rank}.log")).read_text()
+        assert re.search(r"draft sharded over 2 ranks: (\d+) of \1 parameters are DTensors", text), f"rank {rank}"
+    rows = _metrics(run_dir)
+    losses = [float(r["train/dflash_loss"]) for r in rows if r.get("train/dflash_loss")]
+    assert len(losses) == 4 and all(math.isfinite(loss) and loss > 0 for loss in losses)
+    assert any(r.get("val/serving_mal") for r in rows) and any(r.get("val/dflash_loss") for r in rows)
+    target = open_speech_target(ModelConfig(pretrained_name=str(tiny_hybrid_dir)))
+    draft = load_draft(str(run_dir / "export"), target, "cpu", "float32")
+    assert sum(p.numel() for p in draft.parameters()) > 0
 
 
 def test_serving_validation_pools_both_ranks_counters_on_three_records(straight, tiny_salm_dir, cuts):

@@ -178,12 +178,23 @@ def test_the_reference_decoder_rolls_back_mamba_state_exactly(tiny_hybrid_target
     rule = StopRule(36, frozenset())
     pattern = lambda r: r % (K + 1)  # noqa: E731
     for embeds in prompts:
-        reference = greedy_decode(TargetSession(tiny_hybrid_target), embeds, rule)
+        reference = greedy_decode(TargetSession(tiny_hybrid_target, rolls_back=False), embeds, rule)
         oracle = TargetOracle(tiny_hybrid_target, K, wrong_at=lambda r: pattern(r) if pattern(r) < K else None)
         out = speculative_decode(TargetSession(tiny_hybrid_target, TAPS), oracle, embeds, rule)
         assert len(set(reference.token_ids)) > 3, "the target repeats one token: nothing to compare"
         assert out.token_ids == reference.token_ids
         assert out.accepted_per_round == [pattern(r) for r in range(len(out.accepted_per_round))]
+
+
+def test_a_greedy_session_keeps_no_copy_of_the_mamba_state_and_refuses_a_crop(tiny_hybrid_target, prompts):
+    """Greedy decoding never rolls back: no deep copy of the cache per request (a rolling-back session makes one)."""
+    greedy, rolling = TargetSession(tiny_hybrid_target, rolls_back=False), TargetSession(tiny_hybrid_target)
+    for session in (greedy, rolling):
+        session.prefill(prompts[0])
+        session.extend([5, 6, 7])
+    assert greedy._rollback_point is None and rolling._rollback_point is not None
+    with pytest.raises(RuntimeError, match="rolls_back=False"):
+        greedy.crop(greedy.length - 1)
 
 
 def test_a_mamba_cache_cannot_be_cropped_so_the_session_replays(tiny_hybrid_target, prompts):

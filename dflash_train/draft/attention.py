@@ -61,6 +61,15 @@ def recompile_error(where: str, shapes: str) -> FlexRecompileError:
     )
 
 
+def compiled_entries() -> dict[str, int]:
+    """Cache entries torch.compile holds for each compiled function of a flex draft step (our flex attention,
+    nemo_automodel's compiled block-mask builder): what ``dflash.compile_recompile_limit`` bounds."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    return {fn.__name__: len(_debug_get_cache_entry_list(fn.__code__)) for fn in (flex_attention, create_block_mask)}
+
+
 def _agreeing(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if query.dtype != value.dtype or key.dtype != value.dtype:
         return query.to(value.dtype), key.to(value.dtype)

@@ -75,7 +75,7 @@ def anchor_profile(
     decoded = speculative_decode(TargetSession(target, layer_ids), proposer, prompt_embeds, rule)
     reply = decoded.token_ids
     labels = greedy_decode(
-        TargetSession(target), prompt_embeds, StopRule(len(reply) + k, frozenset())
+        TargetSession(target, rolls_back=False), prompt_embeds, StopRule(len(reply) + k, frozenset())
     ).token_ids
     if labels[: len(reply)] != reply:
         raise RuntimeError("speculative output differs from the target's greedy reply: the profile would be wrong")

@@ -152,5 +152,5 @@ def greedy_reply(target: FrozenTarget, prompt_format: ChatMLFormat, embeds: torc
     The one decode-to-text path: ``dflash-eval``'s target-only pass, ``dflash-labels`` and the
     reference target's transcripts all read the target's reply through it.
     """
-    decoded = greedy_decode(TargetSession(target), embeds, rule)
+    decoded = greedy_decode(TargetSession(target, rolls_back=False), embeds, rule)
     return decoded, reply_text(prompt_format, decoded)

@@ -42,14 +42,17 @@ class TargetSession:
     """Prefill, extend and crop one sequence of the target's LLM, holding its KV cache.
 
     ``layer_ids`` are the tapped decoder blocks (empty: no taps, e.g. target-only decoding).
+    ``rolls_back=False``: the session is never cropped (greedy decoding), so a target with recurrent
+    blocks keeps no copy of its state to roll back to (one copy of the whole cache per request).
     """
 
-    def __init__(self, target: FrozenTarget, layer_ids: Sequence[int] = ()):
+    def __init__(self, target: FrozenTarget, layer_ids: Sequence[int] = (), rolls_back: bool = True):
         self.target = target
         self.layer_ids = list(layer_ids)
         self.cache = target.new_cache()
         self.length = 0
-        self.replays = target.recurrent_block_ids != []
+        self.rolls_back = rolls_back
+        self.replays = rolls_back and target.recurrent_block_ids != []
         self._rollback_point: tuple[object, int, list[int]] | None = None  # cache, its length, tokens since
 
     @torch.no_grad()
@@ -90,6 +93,8 @@ class TargetSession:
         if length >= self.length:
             self._rollback_point = None
             return
+        if not self.rolls_back:
+            raise RuntimeError("crop on a TargetSession created with rolls_back=False (greedy decoding only)")
         if not self.replays:
             crop_cache(self.cache, length)
             self.length = length

@@ -15,6 +15,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
@@ -29,6 +30,7 @@ from dflash_train.draft.export import full_state_dict
 from dflash_train.draft.family import family_of
 from dflash_train.errors import ConfigError, NonFiniteTrainingError
 from dflash_train.target.base import FrozenTarget
+from dflash_train.training.provenance import weights_sha256
 from dflash_train.training.metrics import (
     WEIGHT_INDEX,
     BlockStats,
@@ -74,6 +76,7 @@ class ModuleSettings:
     fsdp_reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (trainer.strategy.*)
     nonfinite_step_limit: int = 3  # non-finite-gradient steps in a row that stop the run
     target_fingerprint: Optional[str] = None  # SHA-256 of the target's weights file (None: built, not loaded)
+    target_weights: Optional[Path] = None  # the file to fingerprint at setup: rank 0 hashes it, all ranks agree
     stable_shapes: Optional[bool] = None  # pad lengths and anchor counts to multiples (None: on for flex)
     serving_validation: Optional[ServingValidation] = None  # decode like serving at every validation (None: off)
     serving_anchors: Optional[ServingAnchorMiner] = None  # blocks where serving rounds start after a correction
@@ -227,6 +230,23 @@ class DFlashDraftModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.target.to(self.device)
+        self._fingerprint_target()
+
+    def _fingerprint_target(self) -> None:
+        """``settings.target_fingerprint`` from ``settings.target_weights``: hashed on rank 0 and broadcast, so
+        one process reads the (multi-GB) file, not every rank of every node."""
+        settings = self.settings
+        if settings.target_weights is None or settings.target_fingerprint is not None:
+            return
+        digest = None
+        if self.global_rank == 0:
+            started = time.perf_counter()
+            digest = weights_sha256(settings.target_weights)
+            log.info(
+                "target weights SHA-256 %s… (%s, %.1f s on rank 0, broadcast to %d ranks)",
+                digest[:16], settings.target_weights, time.perf_counter() - started, self.trainer.world_size,
+            )
+        settings.target_fingerprint = self.trainer.strategy.broadcast(digest, src=0)
 
     def on_fit_start(self) -> None:
         self.target.to(self.device)

@@ -67,11 +67,11 @@ def weights_sha256(path: Path) -> str:
     return _sha256_cached(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
-def target_weights_sha256(run: RunConfig) -> Optional[str]:
-    """The fingerprint of ``model.pretrained_name``'s weights (``None`` for a target built from ``model.salm``)."""
+def target_weights_file(run: RunConfig) -> Optional[Path]:
+    """``model.pretrained_name``'s weights file (``None`` for a target built from ``model.salm``)."""
     name = run.model.pretrained_name
     weights = Path(name).expanduser() / WEIGHTS_FILE if name else None
-    return weights_sha256(weights) if weights is not None and weights.is_file() else None
+    return weights if weights is not None and weights.is_file() else None
 
 
 def _fingerprint(directory: Optional[str]) -> Optional[dict]:
@@ -119,9 +119,9 @@ class ProvenanceRecord(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from omegaconf import OmegaConf
 
-        self.info = run_info(self.run, trainer.world_size, trainer.global_step)
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero:  # only rank 0 writes it and the export (no other rank reads the weights)
             return
+        self.info = run_info(self.run, trainer.world_size, trainer.global_step)
         resolved = OmegaConf.to_yaml(OmegaConf.structured(dataclasses.asdict(self.run)))
         atomic_write_text(self.run_dir / RUN_INFO_FILE, json.dumps(self.info, indent=2))
         atomic_write_text(self.run_dir / RESOLVED_CONFIG_FILE, resolved)

@@ -29,7 +29,7 @@ from dflash_train.files import check_writable_directory
 from dflash_train.target import load_target_for_run
 from dflash_train.training.module import DFlashDraftModule, ModuleSettings, OptimSettings
 from dflash_train.training.preemption import PreemptionCheckpoint
-from dflash_train.training.provenance import ProvenanceRecord, target_weights_sha256
+from dflash_train.training.provenance import ProvenanceRecord, target_weights_file
 from dflash_train.training.serving_anchors import ServingAnchorMiner, ServingAnchorSettings
 from dflash_train.training.serving_validation import ServingValidation, ServingValidationSettings
 from dflash_train.variants import variant_named
@@ -397,7 +397,7 @@ def setup_module(run: RunConfig, target, draft, spec: DraftSpec, backend: str, d
         fsdp_param_dtype=half,
         fsdp_reshard_after_forward=run.trainer.strategy.reshard_after_forward,
         nonfinite_step_limit=run.dflash.nonfinite_step_limit,
-        target_fingerprint=target_weights_sha256(run),
+        target_weights=target_weights_file(run),
         serving_validation=setup_serving_validation(run, target, spec),
         serving_anchors=setup_serving_anchors(run, target, spec),
     )
