@@ -106,7 +106,10 @@ def test_each_variants_chunked_step_equals_its_full_logits_step(tiny_salm_dir, t
     """Same draft, batch and anchors: the chunked step's loss, statistics and every draft gradient equal the
     full-logits step's (FP32, ≤ 1e-5 relative)."""
     full, draft = _module(tiny_salm_dir, tiny_target, variant, 0)
-    inputs = full.prepare(chatml_speech_batch(tiny_target, speech_batch, list(UTTERANCES.values())))
+    batch = chatml_speech_batch(tiny_target, speech_batch, list(UTTERANCES.values()))
+    # with the loader's host copies: the chunked loss sizes its rows by the batch's supervised count
+    inputs = full.prepare(batch.with_placements(tiny_target.audio_locator_tag_id))
+    assert inputs.supervised_bound == int(batch.loss_mask.sum())
     optimizer = torch.optim.Adam(draft.parameters(), lr=3e-3)
     for step in range(15):  # some right predictions, so that the statistics compare something
         optimizer.zero_grad()

@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dflash_train.draft.mtp import MTPStep
-from dflash_train.loss.head import head_cross_entropy
+from dflash_train.loss.head import head_cross_entropy, position_bound
 from dflash_train.target.taps import document_attention_mask
 from dflash_train.variants.mtp import valid_anchor_mask
 
@@ -87,6 +87,7 @@ class MTPTrainerCore(nn.Module):
     ):
         super().__init__()
         self.loss_chunk_size = loss_chunk_size  # 0: full logits; else the chunked head (loss/head.py)
+        self.supervised_bound: int | None = None  # the batch's supervised tokens (host), set around a forward
         self.draft_model = step
         object.__setattr__(self, "lm_head", target_lm_head)  # not a submodule: not trained, not checkpointed
         self.step_weights = [float(w) for w in step_weights]
@@ -174,7 +175,7 @@ class MTPTrainerCore(nn.Module):
         if self.loss_chunk_size:
             head = head_cross_entropy(
                 hidden, self.lm_head, labels, weights, self.loss_chunk_size, positions=supervised,
-                max_positions=supervised.numel(),
+                max_positions=position_bound(supervised, self.supervised_bound),
             )
             weighted_nll, predictions = head.weighted_nll, head.predictions
         else:

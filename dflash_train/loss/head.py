@@ -158,6 +158,15 @@ def head_cross_entropy(
     return HeadLoss(outputs[0], predictions[:total].view(leading), top_ids)
 
 
+def position_bound(weights: torch.Tensor, anchor_bound: Optional[int]) -> int:
+    """A host bound on the supervised positions of ``weights [..., anchors, positions per anchor]`` for
+    ``max_positions``: every position, or ``anchor_bound`` anchors' worth when that is fewer. A batch's
+    supervised-token count bounds its kept anchors (each is a distinct supervised position, or the
+    position before one), so the rows of its padded blocks need not run the head."""
+    total = weights.numel()
+    return total if anchor_bound is None else min(total, anchor_bound * weights.shape[-1])
+
+
 def logits_at(hidden: torch.Tensor, head: nn.Module, token_ids: torch.Tensor, multiplier: float = 1.0,
               softcap: Optional[float] = None) -> torch.Tensor:
     """The transformed logits of only ``token_ids [..., k]`` at ``hidden [..., H]`` (differentiable),

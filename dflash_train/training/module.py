@@ -98,6 +98,7 @@ class StepInputs:
     seq_lens: torch.Tensor
     doc_remaining: torch.Tensor
     embeds: Optional[torch.Tensor] = None  # token embeddings, audio frames' at audio positions (no-tap variants)
+    supervised_bound: Optional[int] = None  # at least loss_mask.sum(), known on the host (sizes the loss's rows)
 
 
 def pad_to_multiple(inputs: StepInputs, multiple: int) -> StepInputs:
@@ -125,6 +126,7 @@ def pad_to_multiple(inputs: StepInputs, multiple: int) -> StepInputs:
         seq_lens=inputs.seq_lens,
         doc_remaining=pad(inputs.doc_remaining, -1),
         embeds=None if inputs.embeds is None else pad(inputs.embeds, 0),
+        supervised_bound=inputs.supervised_bound,
     )
 
 
@@ -282,7 +284,8 @@ class DFlashDraftModule(L.LightningModule):
             with torch.no_grad():
                 embeds = torch.where(spliced.audio_mask[..., None], spliced.inputs_embeds, target.embed_tokens(ids))
         inputs = StepInputs(
-            ids, features, spliced.loss_mask, layout.position_ids, layout.seq_lens, layout.doc_remaining, embeds
+            ids, features, spliced.loss_mask, layout.position_ids, layout.seq_lens, layout.doc_remaining, embeds,
+            batch.supervised_tokens,
         )
         if self.settings.pads_shapes:
             inputs = pad_to_multiple(inputs, FLEX_LENGTH_MULTIPLE)
@@ -309,6 +312,7 @@ class DFlashDraftModule(L.LightningModule):
             if preferred is not None:
                 self.core.preferred_anchors = preferred
                 self.core.preferred_fraction = self.settings.serving_anchors.settings.fraction
+            self.core.supervised_bound = inputs.supervised_bound
             try:
                 return self.core(
                     inputs.input_ids,
@@ -323,6 +327,7 @@ class DFlashDraftModule(L.LightningModule):
                 raise recompile_error("the draft step's block-mask builder", f"batch {tuple(inputs.input_ids.shape)}") from err
             finally:
                 self.core.preferred_anchors = None
+                self.core.supervised_bound = None
 
     def _rng_key(self, step: int, batch_idx: int, stream: int) -> int:
         return (self.settings.seed * 1_000_003 + step * 7_919 + batch_idx * 131 + stream * 17 + self.global_rank) % (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash_train.loss.head import HeadLoss, head_cross_entropy
+from dflash_train.loss.head import HeadLoss, head_cross_entropy, position_bound
 from dflash_train.variants.base import DFlashConfig, DraftVariant, automodel_speculative_dflash
 
 
@@ -23,6 +23,7 @@ class ChunkedBlockLoss:
     def __init__(self, *args, loss_chunk_size: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.loss_chunk_size = loss_chunk_size
+        self.supervised_bound: int | None = None  # the batch's supervised tokens (host), set around a forward
 
     def depth_weighted(self, mask: torch.Tensor) -> torch.Tensor:
         """``mask [B, N, block−1]`` times the decay ``exp(−k / γ)`` of predicted position k (or the mask)."""
@@ -47,7 +48,7 @@ class ChunkedBlockLoss:
             weights,
             self.loss_chunk_size,
             top_k=top_k,
-            max_positions=weights.numel(),
+            max_positions=position_bound(weights, self.supervised_bound),
             **self.output_transform(),
         )
 
