@@ -3,6 +3,7 @@
 from itertools import islice
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from lhotse import CutSet
@@ -72,10 +73,29 @@ def test_loader_batches_carry_their_splice_placements_and_splice_alike_without_t
         tag = tiny_target.audio_locator_tag_id
         expected = [[p for p in range(n) if batch.input_ids[i, p] == tag] for i, n in enumerate(batch.row_lengths)]
         assert batch.audio_positions == expected and sum(map(len, expected)) == sum(batch.audios_per_row) > 0
+        assert batch.supervised_tokens == int(batch.loss_mask.sum()) > 0
+        assert batch.max_documents == (1 if batch.document_ids is None else int(batch.document_ids.max()) + 1)
         with_host = _splice(tiny_target, batch)
-        read_back = _splice(tiny_target, replace(batch, row_lengths=None, audio_positions=None))
+        read_back = _splice(tiny_target, replace(batch, row_lengths=None, audio_positions=None, audio_frames=None))
         for name in ("inputs_embeds", "input_ids", "loss_mask", "attention_mask", "audio_mask", "lengths"):
             assert torch.equal(getattr(with_host, name), getattr(read_back, name)), name
+        # the runway is a lower bound of the spliced rows' room after a supervised token (splicing adds positions)
+        documents = with_host.document_ids if packing else torch.where(with_host.attention_mask, 0, -1)
+        remaining = document_layout(documents).doc_remaining
+        assert 0 < batch.anchor_runway <= int(remaining[with_host.loss_mask.bool()].max())
+
+
+def test_the_anchor_runway_counts_text_after_a_supervised_token_but_not_audio_or_the_first_token():
+    from dflash_train.data.collate import anchor_runway
+    from dflash_train.data.examples import Example
+
+    tag = 9
+    ids = np.array([1, tag, 2, 3, 4, tag, 5, 6])  # supervised: positions 3 and 6
+    mask = np.array([0, 0, 0, 1, 0, 0, 1, 0], dtype=bool)
+    example = Example("e", ids, mask, [], [], 8, 2, 1.0)
+    assert anchor_runway(example, tag) == 3  # after position 3: positions 4, 6, 7 (the placeholder at 5 not counted)
+    first_only = Example("f", ids, np.array([1, 0, 0, 0, 0, 0, 0, 0], dtype=bool), [], [], 8, 1, 1.0)
+    assert anchor_runway(first_only, tag) == -1  # a document's first token never counts
 
 
 def test_estimated_lengths_equal_spliced_lengths(tiny_target, audio_estimator, demo_data):

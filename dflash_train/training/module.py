@@ -30,13 +30,13 @@ from dflash_train.draft.export import full_state_dict
 from dflash_train.draft.family import family_of
 from dflash_train.errors import ConfigError, NonFiniteTrainingError
 from dflash_train.target.base import FrozenTarget
-from dflash_train.training.provenance import weights_sha256
 from dflash_train.training.metrics import (
     WEIGHT_INDEX,
     BlockStats,
     empty_step_sums,
     step_sums,
 )
+from dflash_train.training.provenance import weights_sha256
 from dflash_train.training.serving_anchors import CHECKPOINT_KEY as SERVING_ANCHORS_KEY
 from dflash_train.training.serving_anchors import ServingAnchorMiner
 from dflash_train.training.serving_validation import ServingValidation
