@@ -6,15 +6,26 @@ the same draft rounds and the same accepted count at every draft position. Both 
 kernels round differently, flip near-tied greedy choices and would measure kernels, not the
 algorithms. The reference runs the perception in bfloat16 as vLLM's NeMo SALM model does
 (``dflash_train.evaluate.loading.SERVING_PERCEPTION_DTYPE``, the evaluation default).
+
+That bfloat16 perception is the one place the two sides still round differently: vLLM encodes the
+audio of a batch of requests together, the reference one request at a time, and bfloat16 keeps 8
+significant bits, so the frames, the taps and the draft's logits (|logit| ≲ 10) differ at the 1e-3
+level. A round whose outcome hangs on a draft choice with a top-2 logit margin below
+:data:`AMBIGUOUS_MARGIN` can go either way (2026-12-02: a retrained demo draft had three such rounds
+of 147, the smallest margins 0.0036 and 0.0038, and vLLM counted one round more). The counters must be equal up to the
+number of such rounds, and exactly equal when there is none.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 
 from dflash_train.vllm_plugin.acceptance import first_mismatches
 
 PARITY_DTYPE = "float32"
+AMBIGUOUS_MARGIN = 0.01  # top-2 draft logit margin within reach of bfloat16 perception rounding (module docstring)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +55,39 @@ def reference_report(served_target, trained_dflash_export, validation_cuts, serv
         limit=len(serving_requests),
     )
     assert settings.perception_dtype == SERVING_PERCEPTION_DTYPE
-    report = evaluate(settings, loaded)
+    with recorded_margins() as margins:
+        report = evaluate(settings, loaded)
     assert not report.failures, report.failures
+    report.proposal_margins = margins
     return report
+
+
+@contextmanager
+def recorded_margins():
+    """Per draft round of the reference decoder, in order: the top-2 logit margin of each proposal."""
+    from dflash_train.variants.base import DraftVariant
+
+    margins: list[list[float]] = []
+    propose = DraftVariant.propose
+
+    def recording(self, draft, hidden, logits, bonus):
+        top = logits[0].topk(2, dim=-1).values
+        margins.append((top[:, 0] - top[:, 1]).tolist())
+        return propose(self, draft, hidden, logits, bonus)
+
+    DraftVariant.propose = recording
+    try:
+        yield margins
+    finally:
+        DraftVariant.propose = propose
+
+
+def ambiguous_rounds(accepted_per_round: list[int], margins: list[list[float]], k: int) -> list[int]:
+    """Rounds whose accepted length hangs on a proposal (an accepted one, or the first rejected) with a top-2
+    margin below :data:`AMBIGUOUS_MARGIN`."""
+    assert len(accepted_per_round) == len(margins), "one recorded proposal per round"
+    return [r for r, (accepted, m) in enumerate(zip(accepted_per_round, margins))
+            if min(m[: min(accepted + 1, k)]) < AMBIGUOUS_MARGIN]
 
 
 def test_reference_decoder_and_vllm_serve_the_same_requests(reference_report, serving_requests):
@@ -76,5 +117,16 @@ def test_reference_counters_equal_vllms_counters(reference_report, vllm_runs, tr
     k = draft_speculative_tokens(trained_dflash_export)
     assert reference.num_speculative_tokens == served.num_speculative_tokens == k
     assert served.rounds > 0 and reference.accepted > 0, "a trained draft must have accepted tokens to compare"
-    # Exact: a kernel difference that moves one acceptance (the per-layer K-norm bug cost 2 % of MAL) fails here.
-    assert (reference.rounds, list(reference.accepted_per_position)) == (served.rounds, list(served.accepted_per_position))
+    rounds = [a for sample in reference_report.samples for a in sample.drafts[DRAFT].accepted_per_round]
+    ambiguous = ambiguous_rounds(rounds, reference_report.proposal_margins, k)
+    serving_reports.append(f"parity: {len(ambiguous)} of {len(rounds)} rounds decided by a draft margin < {AMBIGUOUS_MARGIN}")
+    assert len(ambiguous) <= 0.03 * len(rounds), f"{len(ambiguous)} near-tied rounds: the draft or the comparison is off"
+    # Exact up to the near-tied rounds: a kernel difference that moves acceptances (the per-layer K-norm bug cost
+    # 2 % of MAL, about 20 accepted tokens here) fails.
+    differences = [reference.rounds - served.rounds] + [
+        ours - theirs for ours, theirs in zip(reference.accepted_per_position, served.accepted_per_position)
+    ]
+    assert max(map(abs, differences)) <= len(ambiguous), (
+        (reference.rounds, list(reference.accepted_per_position)), (served.rounds, list(served.accepted_per_position)),
+        f"near-tied rounds: {ambiguous}",
+    )
