@@ -368,9 +368,9 @@ class DFlashDraftModule(L.LightningModule):
         """Compile the flex draft step's shape classes before the first batch (flex runs only).
 
         A flex run's compiled functions see four classes of inputs, whatever the batch: grad mode × one row
-        or more (docs/training.md, the flex paragraph of "Precision"); each forward here, on filler rows under the run's precision
-        contexts, builds one class's entries, so the first real batches reuse them and a recompile-limit
-        problem shows before any data is read. The forwards count as placeholders (zero statistics) and are
+        or more (docs/training.md, the flex paragraph of "Precision"). Each forward here, on filler rows
+        under the run's precision contexts, builds one class's entries, so the first real batches reuse
+        them and a recompile-limit problem shows before any data is read. The forwards count as placeholders (zero statistics) and are
         not differentiated: every rank runs the same ones, so collectives stay in step.
         """
         if self.settings.attention_backend != "flex_attention" or not self.spec.variant.uses_taps:
