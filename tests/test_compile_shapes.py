@@ -88,6 +88,19 @@ def test_twenty_batch_shapes_in_both_grad_modes_compile_four_entries_per_functio
     assert entries == {"flex_attention": 4, "create_block_mask": 4}, entries
 
 
+def test_warming_at_start_compiles_the_four_classes_and_twenty_shapes_add_none(flex_module, tiny_target):
+    """What ``on_fit_start`` does for a flex run: after the warm-up, no batch shape compiles anything new."""
+    torch._dynamo.reset()
+    flex_module.warm_shape_classes()
+    warmed = compiled_entries()
+    assert warmed == {"flex_attention": 4, "create_block_mask": 4}, warmed
+    for grad in (True, False):
+        for index, shape in enumerate(SHAPES):
+            with torch.set_grad_enabled(grad):
+                flex_module.run_core(_inputs(tiny_target, *shape, seed=index), rng_key=index)
+    assert compiled_entries() == warmed
+
+
 def test_a_recompile_limit_hit_is_one_line_naming_the_knob(flex_module, tiny_target):
     torch._dynamo.reset()
     limit = torch._dynamo.config.recompile_limit

@@ -10,6 +10,7 @@ block with zero weight when its own batch has no anchor, so collectives always m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -24,7 +25,7 @@ import torch
 from dflash_train.data.batch import SpeechBatch
 from dflash_train.data.packing import document_layout
 from dflash_train.distributed import all_reduce_sum, world_size
-from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE, recompile_error
+from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE, compiled_entries, recompile_error
 from dflash_train.draft.build import DraftSpec, PreferredRow
 from dflash_train.draft.export import full_state_dict
 from dflash_train.draft.family import family_of
@@ -252,6 +253,8 @@ class DFlashDraftModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self.target.to(self.device)
+        precision = self.trainer.precision_plugin
+        self.warm_shape_classes(precision.train_step_context, precision.val_step_context)
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, batch: SpeechBatch) -> StepInputs:
@@ -342,17 +345,50 @@ class DFlashDraftModule(L.LightningModule):
         all-gathers and reduce-scatters, DDP's gradient all-reduce).
         """
         length = self.spec.variant.placeholder_length(self.spec.cfg)
-        device = like.input_ids.device
-        layout = document_layout(torch.zeros(1, length, dtype=torch.long, device=device))
+        return self.filler_inputs(1, length, like.features, like.embeds)
+
+    def filler_inputs(
+        self, rows: int, length: int, features_like: torch.Tensor, embeds_like: Optional[torch.Tensor] = None
+    ) -> StepInputs:
+        """``rows`` fully supervised one-document rows of ``length`` mask tokens with zero features (and zero
+        embeddings), in the width, dtype and device of ``features_like`` / ``embeds_like``."""
+        device = features_like.device
+        layout = document_layout(torch.zeros(rows, length, dtype=torch.long, device=device), 1)
         return StepInputs(
-            input_ids=torch.full((1, length), self.spec.mask_token_id, dtype=like.input_ids.dtype, device=device),
-            features=like.features.new_zeros(1, length, like.features.shape[-1]),
-            loss_mask=torch.ones(1, length, dtype=torch.bool, device=device),
+            input_ids=torch.full((rows, length), self.spec.mask_token_id, dtype=torch.long, device=device),
+            features=features_like.new_zeros(rows, length, features_like.shape[-1]),
+            loss_mask=torch.ones(rows, length, dtype=torch.bool, device=device),
             position_ids=layout.position_ids,
             seq_lens=layout.seq_lens,
             doc_remaining=layout.doc_remaining,
-            embeds=None if like.embeds is None else like.embeds.new_zeros(1, length, like.embeds.shape[-1]),
+            embeds=None if embeds_like is None else embeds_like.new_zeros(rows, length, embeds_like.shape[-1]),
         )
+
+    def warm_shape_classes(self, train_context=contextlib.nullcontext, eval_context=contextlib.nullcontext) -> None:
+        """Compile the flex draft step's shape classes before the first batch (flex runs only).
+
+        A flex run's compiled functions see four classes of inputs, whatever the batch: grad mode × one row
+        or more (docs/training.md, the flex paragraph of "Precision"). Each forward here, on filler rows
+        under the run's precision contexts, builds one class's entries, so the first real batches reuse
+        them and a recompile-limit problem shows before any data is read. The forwards count as placeholders (zero statistics) and are
+        not differentiated: every rank runs the same ones, so collectives stay in step.
+        """
+        if self.settings.attention_backend != "flex_attention" or not self.spec.variant.uses_taps:
+            return
+        started = time.perf_counter()
+        embed = self.target.embed_tokens.weight
+        width = len(self.settings.layer_ids) * self.target.hidden_size
+        features = embed.new_zeros(1, 1, width)
+        self.core.placeholder = True
+        try:
+            for grad, context in ((True, train_context), (False, eval_context)):
+                for rows in (1, 2):
+                    with torch.set_grad_enabled(grad), context():
+                        self.run_core(self.filler_inputs(rows, 2 * FLEX_LENGTH_MULTIPLE, features), rng_key=rows)
+        finally:
+            self.core.placeholder = False
+        log.info("flex: compiled the draft step's 4 shape classes in %.1f s: %s", time.perf_counter() - started,
+                 compiled_entries())
 
     def _forward_core(
         self,
