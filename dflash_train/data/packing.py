@@ -30,10 +30,9 @@ def document_layout(document_ids: torch.Tensor, max_documents: Optional[int] = N
     valid = document_ids >= 0
     if max_documents is None:
         max_documents = int(document_ids.max().item()) + 1 if valid.any() else 1
-    max_docs = max_documents
     doc_index = document_ids.clamp(min=0)
     # a comparison, not F.one_hot: that one reads the indices' range back to the host to check it
-    one_hot = (doc_index.unsqueeze(-1) == torch.arange(max_docs, device=device)) & valid.unsqueeze(-1)  # [B, S, D]
+    one_hot = (doc_index.unsqueeze(-1) == torch.arange(max_documents, device=device)) & valid.unsqueeze(-1)  # [B, S, D]
     seq_lens = one_hot.sum(dim=1)  # [B, D] long
     starts = seq_lens.cumsum(dim=1) - seq_lens  # [B, D]
     start_of_token = torch.gather(starts, 1, doc_index)

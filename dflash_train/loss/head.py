@@ -8,7 +8,8 @@ together. :func:`head_cross_entropy` never holds more than ``chunk_size`` rows o
 
 * only the supervised positions (weight > 0) go through the head, or, so that a training step never
   waits on the device for their count, a host bound of slots they are packed into (the trainer cores
-  pass the positions' shape: block position 0 never runs, padded blocks run with zero weight);
+  pass the batch's supervised tokens × positions per block: block position 0 never runs, the leftover
+  slots run with zero weight);
 * each chunk's logits are computed, reduced to its weighted NLL, argmax (and top-k when asked), and
   turned straight into the gradient with respect to the hidden states, ``(softmax − onehot) · w · W``;
   the chunk's logits are then freed, so backward is one multiplication by the incoming scalar
@@ -125,11 +126,7 @@ def head_cross_entropy(
     leading = targets.shape
     flat_weights = weights.reshape(-1)
     total = flat_weights.numel()
-    chosen = flat_weights != 0 if positions is None else positions.reshape(-1)
-    if max_positions is None:
-        rows = chosen.nonzero().squeeze(1)
-    else:  # slots past the chosen count hold ``total``: a scratch slot one past the end
-        rows = torch.nonzero_static(chosen, size=min(max_positions, total), fill_value=total).squeeze(1)
+    rows = true_indices(flat_weights != 0 if positions is None else positions.reshape(-1), max_positions)
     source = rows.clamp(max=max(total - 1, 0))
     row_weights = flat_weights.index_select(0, source).to(torch.promote_types(weight.dtype, torch.float32))
     if max_positions is not None:
@@ -156,6 +153,15 @@ def head_cross_entropy(
         top_ids[rows] = outputs[2]
         top_ids = top_ids[:total].view(*leading, top_k)
     return HeadLoss(outputs[0], predictions[:total].view(leading), top_ids)
+
+
+def true_indices(flags: torch.Tensor, bound: Optional[int] = None) -> torch.Tensor:
+    """The indices of the true entries of the 1-D bool ``flags``: exactly (their count is read back from
+    the device), or, with ``bound`` (a host bound on their count), in ``min(bound, len)`` slots with no
+    read, the slots left over holding ``len(flags)``, one past the end, for the caller's scratch slot."""
+    if bound is None:
+        return flags.nonzero().squeeze(1)
+    return torch.nonzero_static(flags, size=min(bound, flags.numel()), fill_value=flags.numel()).squeeze(1)
 
 
 def position_bound(weights: torch.Tensor, anchor_bound: Optional[int]) -> int:

@@ -100,6 +100,7 @@ class StepInputs:
     doc_remaining: torch.Tensor
     embeds: Optional[torch.Tensor] = None  # token embeddings, audio frames' at audio positions (no-tap variants)
     supervised_bound: Optional[int] = None  # at least loss_mask.sum(), known on the host (sizes the loss's rows)
+    anchor_runway: Optional[int] = None  # the batch's (SpeechBatch.with_placements): proves an anchor on the host
 
 
 def pad_to_multiple(inputs: StepInputs, multiple: int) -> StepInputs:
@@ -128,6 +129,7 @@ def pad_to_multiple(inputs: StepInputs, multiple: int) -> StepInputs:
         doc_remaining=pad(inputs.doc_remaining, -1),
         embeds=None if inputs.embeds is None else pad(inputs.embeds, 0),
         supervised_bound=inputs.supervised_bound,
+        anchor_runway=inputs.anchor_runway,
     )
 
 
@@ -288,18 +290,18 @@ class DFlashDraftModule(L.LightningModule):
                 embeds = torch.where(spliced.audio_mask[..., None], spliced.inputs_embeds, target.embed_tokens(ids))
         inputs = StepInputs(
             ids, features, spliced.loss_mask, layout.position_ids, layout.seq_lens, layout.doc_remaining, embeds,
-            batch.supervised_tokens,
+            batch.supervised_tokens, batch.anchor_runway,
         )
         if self.settings.pads_shapes:
             inputs = pad_to_multiple(inputs, FLEX_LENGTH_MULTIPLE)
         return inputs
 
-    def has_valid_anchor(self, inputs: StepInputs, runway: Optional[int] = None) -> bool:
+    def has_valid_anchor(self, inputs: StepInputs) -> bool:
         """Whether any row holds an anchor of this variant (DFlash: a supervised position with a full block
-        left in its document). A batch's host ``anchor_runway`` of at least the variant's span answers it
+        left in its document). The batch's host ``anchor_runway`` of at least the variant's span answers it
         without reading the device; otherwise the device answers."""
         variant, cfg = self.spec.variant, self.spec.cfg
-        if runway is not None and runway >= variant.block_span(cfg):
+        if inputs.anchor_runway is not None and inputs.anchor_runway >= variant.block_span(cfg):
             return True
         return variant.has_valid_anchor(cfg, inputs.loss_mask, inputs.doc_remaining)
 
@@ -390,13 +392,7 @@ class DFlashDraftModule(L.LightningModule):
         log.info("flex: compiled the draft step's 4 shape classes in %.1f s: %s", time.perf_counter() - started,
                  compiled_entries())
 
-    def _forward_core(
-        self,
-        inputs: StepInputs,
-        rng_key: int,
-        preferred: Optional[list[PreferredRow]] = None,
-        runway: Optional[int] = None,
-    ):
+    def _forward_core(self, inputs: StepInputs, rng_key: int, preferred: Optional[list[PreferredRow]] = None):
         """The core on ``inputs``, or on :meth:`placeholder_inputs` with zero weight when they hold no anchor.
 
         Returns ``(metrics, sums, loss_sum)``: ``sums`` are the batch's :class:`BlockStats`
@@ -404,7 +400,7 @@ class DFlashDraftModule(L.LightningModule):
         of this batch, the quantity whose gradient, summed over ranks and micro-batches and
         divided by the window's Σ w, is the gradient of the exact window loss.
         """
-        if self.has_valid_anchor(inputs, runway):
+        if self.has_valid_anchor(inputs):
             metrics = self.run_core(inputs, rng_key, preferred)
             return metrics, step_sums(metrics), metrics.loss * metrics.loss_weight
         self.core.placeholder = True  # a core that pools statistics over ranks counts this forward as zero
@@ -430,9 +426,7 @@ class DFlashDraftModule(L.LightningModule):
         micro = batch_idx % accumulate  # not batch_idx itself: it restarts when a run resumes
         inputs = self.prepare(batch)
         preferred = self._serving_anchors(batch, inputs, micro)
-        metrics, sums, loss_sum = self._forward_core(
-            inputs, self._rng_key(self.global_step, micro, 0), preferred, batch.anchor_runway
-        )
+        metrics, sums, loss_sum = self._forward_core(inputs, self._rng_key(self.global_step, micro, 0), preferred)
         if metrics is None:
             self.skip_counts[SKIP_NO_ANCHOR] += 1
         # DP frameworks average gradients over ranks; the world size undoes that average.
@@ -588,7 +582,7 @@ class DFlashDraftModule(L.LightningModule):
     def validation_step(self, batch: SpeechBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
         name = self.settings.val_names[dataloader_idx]
         inputs = self.prepare(batch)
-        _, sums, _ = self._forward_core(inputs, self._rng_key(0, batch_idx, 1 + dataloader_idx), runway=batch.anchor_runway)
+        _, sums, _ = self._forward_core(inputs, self._rng_key(0, batch_idx, 1 + dataloader_idx))
         self._val_stats[name].add(BlockStats(*sums.tolist()))
 
     def on_validation_epoch_end(self) -> None:

@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from dflash_train.loss.head import true_indices
+
 LABEL_CHUNK_ROWS = 1024
 
 
@@ -33,10 +35,7 @@ def target_argmax_labels(
     where[:, 0] = False
     flat_where = where.reshape(-1)
     size = flat_where.numel()
-    if supervised_bound is None:
-        picked = flat_where.nonzero().squeeze(1)
-    else:  # unused slots point one past the end: a scratch slot of the output
-        picked = torch.nonzero_static(flat_where, size=min(supervised_bound, size), fill_value=size).squeeze(1)
+    picked = true_indices(flat_where, supervised_bound)  # leftover slots write the scratch slot past the end
     labels = torch.cat([input_ids.reshape(-1), input_ids.new_zeros(1)])
     hidden = last_hidden.reshape(size, -1)
     for start in range(0, picked.numel(), chunk_rows):
