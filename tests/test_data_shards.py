@@ -23,6 +23,7 @@ from conftest import ResumeComparison, demo_recipe
 from lhotse import CutSet
 
 from dflash_train.config.schema import InputConfig
+from dflash_train.data import inputs
 from dflash_train.data.examples import ExampleStream, Filters, Preparer, SkipCounter
 from dflash_train.data.inputs import open_input
 from dflash_train.data.prompt import build_prompt_format
@@ -277,3 +278,15 @@ def test_offline_labels_refuse_a_sharded_or_remote_input_before_any_work(shar_di
                                               r"JSONL files; '.*' \(.*\) is sharded or remote"):
             generate_labels(None, None, None, inp, None, tmp_path / "labels.jsonl.gz", {})
     assert not (tmp_path / "labels.jsonl.gz").exists()
+
+
+@pytest.mark.parametrize("kind,garbage_decodes", [("lhotse_shar", 1), ("nemo_tarred", 0)])
+def test_integer_shard_members_are_checked_at_their_header_and_only_the_garbage_one_is_decoded(
+        kind, garbage_decodes, shar_dir, tarred, tiny_target, audio_estimator, monkeypatch):
+    """16-bit PCM cannot hold NaN: the finite-sample decode is spent only on bytes no header parser reads
+    (a Shar's garbage member; NeMo's tarred reader drops its garbage member itself)."""
+    decoded = []
+    check_finite = inputs._check_finite
+    monkeypatch.setattr(inputs, "_check_finite", lambda cut, *args: (decoded.append(cut.id), check_finite(cut, *args)))
+    stream, counter = _stream(_inputs(kind, shar_dir, tarred), tiny_target, audio_estimator)
+    assert len(list(stream)) > 0 and dict(counter.counts) == {"unreadable_audio": 1} and len(decoded) == garbage_decodes

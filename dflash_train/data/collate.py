@@ -97,11 +97,11 @@ def collate_packed(examples: Sequence[Example], dataset_name: str) -> SpeechBatc
     )
 
 
-class SpeechDataset(torch.utils.data.Dataset):
-    """Map-style dataset for lhotse samplers: the sampler yields a batch of examples, this collates it.
+class SpeechCollator:
+    """A batch of examples (what a lhotse sampler yields) -> the :class:`SpeechBatch` training reads.
 
-    Runs in DataLoader workers, so audio decoding and the splice indices happen off the
-    training process.
+    Runs in the loader workers (``data.loader``): audio decoding, padding or packing and the
+    splice placements happen off the training process.
     """
 
     def __init__(self, pad_id: int, placeholder_id: int, packed: bool, dataset_name: str):
@@ -110,7 +110,7 @@ class SpeechDataset(torch.utils.data.Dataset):
         self.packed = packed
         self.dataset_name = dataset_name
 
-    def __getitem__(self, examples) -> SpeechBatch:
+    def __call__(self, examples: Sequence[Example]) -> SpeechBatch:
         """The collated batch, with its audio placements read here on the CPU (see ``SpeechBatch``)."""
         examples = list(examples)
         if self.packed:

@@ -12,6 +12,8 @@ from typing import Optional
 
 from lhotse.cut import Cut
 
+from dflash_train.errors import OneLineError
+
 ROLES = ("system", "user", "assistant")
 
 # reason -> what it means; the counters are logged as data/skipped/<reason>.
@@ -41,7 +43,7 @@ class SampleSkipped(Exception):
         self.detail = detail
 
 
-class DataError(ValueError):
+class DataError(OneLineError, ValueError):
     """Malformed input data (bad record structure, placeholder/audio mismatch); names the sample."""
 
 

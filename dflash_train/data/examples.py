@@ -8,14 +8,17 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import numpy as np
+import torch
 from lhotse.cut import Cut
 
-from dflash_train.data.conversation import Conversation, SampleSkipped
+from dflash_train.data.conversation import SKIP_REASONS, Conversation, SampleSkipped
 from dflash_train.data.estimator import AudioTokenEstimator
 from dflash_train.data.inputs import Input
 from dflash_train.data.prompt import ChatMLFormat
 
 log = logging.getLogger(__name__)
+
+SKIP_REASON_ORDER = sorted(SKIP_REASONS)  # the slots of a worker table
 
 
 @dataclass
@@ -89,23 +92,56 @@ class SkipCounter:
     the records their rank owns; validation streams prepare every record (lhotse then deals
     whole batches to ranks) but count only owned skips. Either way, summing the counters over
     ranks gives the true total. The first few skips of each reason are logged with details.
+
+    Loader workers each walk the same stream (see ``data.loader``), so in a loader's workers only
+    worker 0 counts, into that loader's shared-memory table (:meth:`worker_table`), which the
+    training process adds to its own counts when asked (:attr:`counts`).
     """
 
     def __init__(self, rank: int = 0, world_size: int = 1, log_first: int = 3):
         self.rank = rank
         self.world_size = world_size
         self.log_first = log_first
-        self.counts: Counter[str] = Counter()
+        self._local: Counter[str] = Counter()
+        self._tables: list[torch.Tensor] = []
+        self._sink: Optional[torch.Tensor] = None  # in a loader worker: its loader's table
+        self._counting = True
 
     def owns(self, index: int) -> bool:
         """Whether record ``index`` of an input belongs to this rank."""
         return index % self.world_size == self.rank
 
+    def worker_table(self) -> torch.Tensor:
+        """A new shared-memory table (one slot per skip reason) for one loader's workers to count into."""
+        table = torch.zeros(len(SKIP_REASON_ORDER), dtype=torch.int64).share_memory_()
+        self._tables.append(table)
+        return table
+
+    def count_in_worker(self, table: torch.Tensor, counts: bool) -> None:
+        """In a loader worker: count into ``table`` (its loader's) when ``counts``, else count nothing."""
+        self._sink, self._counting = table, counts
+
     def add(self, skip: SampleSkipped) -> None:
         """Count one skipped sample (call only for records this rank owns)."""
-        self.counts[skip.reason] += 1
-        if self.counts[skip.reason] <= self.log_first:
+        if not self._counting:
+            return
+        if self._sink is None:
+            self._local[skip.reason] += 1
+            seen = self._local[skip.reason]
+        else:
+            slot = SKIP_REASON_ORDER.index(skip.reason)
+            self._sink[slot] += 1
+            seen = int(self._sink[slot])
+        if seen <= self.log_first:
             log.warning("data: skipped a sample (%s): %s", skip.reason, skip.detail)
+
+    @property
+    def counts(self) -> Counter[str]:
+        """Skips by reason: this process's own and its loaders' workers'."""
+        total = Counter(self._local)
+        for table in self._tables:
+            total.update({reason: int(n) for reason, n in zip(SKIP_REASON_ORDER, table.numpy()) if n})
+        return total
 
 
 class ExampleStream:

@@ -2,8 +2,9 @@
 
 Every input is a re-iterable stream of raw records plus a function turning one record
 into a conversation. Conversion checks the audio (the file exists, its header opens, the
-segment lies inside it and is not empty; a file that can hold non-finite samples, floating
-point or not read by libsndfile, is decoded and must hold only finite ones) and the text
+segment lies inside it and is not empty; a file or shard member that can hold non-finite
+samples, floating point or not read by libsndfile, is decoded and must hold only finite ones;
+every other one is only opened at its header) and the text
 to supervise (not empty), and raises :class:`SampleSkipped` otherwise. A file that is not
 the JSONL it should be, or a record whose structure is wrong, raises :class:`DataError`
 naming the file and line.
@@ -34,6 +35,7 @@ Shards are read in a fixed, seeded order, the same on every rank: the stream is 
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import re
 import zlib
@@ -540,6 +542,20 @@ def _check_finite(cut: Cut, sample_id: str, path: Any) -> None:
         raise SampleSkipped("nonfinite_audio", f"sample '{sample_id}': {path} holds {bad} NaN or infinite samples")
 
 
+def _check_in_memory(part: Cut, data: bytes, sample_id: str) -> None:
+    """A shard's in-memory audio: its header when libsndfile reads it (no decode unless the samples are
+    floats, which must be checked for NaN); other formats, or bytes no header parser accepts, are decoded
+    once here so that an undecodable member is a counted skip rather than a failed batch."""
+    import soundfile
+
+    try:
+        header = soundfile.info(io.BytesIO(data))
+    except Exception:  # not a libsndfile format, or not audio at all: let the decoders decide
+        header = None
+    if header is None or header.subtype in FLOAT_SUBTYPES:
+        _check_finite(part, sample_id, f"{part.recording.id} (in a shard)")
+
+
 def _segment(
     record: JsonRecord, audio_path: str, offset: float, duration: Optional[float], sample_id: str, sampling_rate: int
 ) -> Cut:
@@ -585,8 +601,8 @@ def checked_audio(cut: Cut, sample_id: str, sampling_rate: int) -> Cut:
         raise SampleSkipped("missing_audio", f"sample '{sample_id}' has no recording")
     for part in recorded:
         for source in part.recording.sources:
-            if source.type == "memory":  # read from a shard: decode it (an undecodable file is a skip)
-                _check_finite(part, sample_id, f"{part.recording.id} (in a shard)")
+            if source.type == "memory":  # read from a shard: its header (an undecodable file is a skip)
+                _check_in_memory(part, source.source, sample_id)
                 continue
             if source.type != "file":  # remote (url, ...): opened when the batch is loaded
                 continue

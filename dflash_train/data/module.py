@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import signal
-from itertools import islice
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
 import lightning as L
 import torch
@@ -13,12 +11,12 @@ from lhotse.lazy import LazyIteratorChain, LazyIteratorMultiplexer, LazyRepeater
 from torch.utils.data import DataLoader
 
 from dflash_train.config.schema import DataConfig, DatasetConfig, InputConfig
-from dflash_train.constants import PREEMPTION_SIGNALS
-from dflash_train.data.collate import SpeechDataset
+from dflash_train.data.collate import SpeechCollator
 from dflash_train.data.conversation import DataError
 from dflash_train.data.estimator import AudioTokenEstimator
 from dflash_train.data.examples import Example, ExampleStream, Filters, Preparer, SkipCounter
 from dflash_train.data.inputs import input_name, input_path, open_input
+from dflash_train.data.loader import speech_loader
 from dflash_train.data.prompt import build_prompt_format
 from dflash_train.data.resume import batches_consumed
 from dflash_train.data.sampling import build_sampler, token_cap, train_shuffle
@@ -34,35 +32,6 @@ def _process_group_topology() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
-
-
-def leave_preemption_to_the_trainer(_worker_id: int) -> None:
-    """Loader workers ignore SIGTERM / SIGUSR1: the training process turns them into a checkpoint.
-
-    torchrun passes SIGTERM to each rank's whole process group and SLURM signals every process of
-    a job step, workers included; a worker killed by it makes the rank's loader fail ("worker
-    exited unexpectedly") before the step boundary where the preemption checkpoint is saved.
-    Workers still stop when the loader shuts them down or their rank exits.
-    """
-    for signum in PREEMPTION_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-
-
-class _AfterFirst:
-    """A sampler's batches without its first ``skip`` (a resumed run's already-trained batches).
-
-    Skipped batches are only sampled, never collated: their audio is not loaded.
-    """
-
-    def __init__(self, sampler, skip: int):
-        self.sampler = sampler
-        self.skip = skip
-
-    def __iter__(self) -> Iterator:
-        batches = iter(self.sampler)
-        for _ in islice(batches, self.skip):
-            pass
-        return batches
 
 
 class SpeechDataModule(L.LightningDataModule):
@@ -193,17 +162,8 @@ class SpeechDataModule(L.LightningDataModule):
         skip: int = 0,
     ) -> DataLoader:
         sampler = build_sampler(examples, ds, shuffle, seed, rank, world_size)
-        pin = torch.cuda.is_available() if ds.pin_memory is None else ds.pin_memory
-        return DataLoader(
-            SpeechDataset(self.pad_id, self.prompt_format.audio_locator_tag_id, ds.packing, name),
-            sampler=_AfterFirst(sampler, skip) if skip else sampler,
-            batch_size=None,
-            num_workers=ds.num_workers,
-            persistent_workers=ds.num_workers > 0,
-            worker_init_fn=leave_preemption_to_the_trainer if ds.num_workers > 0 else None,
-            prefetch_factor=ds.prefetch_factor,
-            pin_memory=pin,
-        )
+        collate = SpeechCollator(self.pad_id, self.prompt_format.audio_locator_tag_id, ds.packing, name)
+        return speech_loader(sampler, collate, self.skips, ds, skip)
 
     def train_dataloader(self) -> DataLoader:
         """Endless training batches (``dataset_name='train'``); fails if no input yields a usable sample.
