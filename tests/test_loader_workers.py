@@ -6,6 +6,9 @@ same for any worker count (resume and validation dealing included), the skip cou
 and an error raised in a worker to reach the user as its one line.
 """
 
+import os
+import subprocess
+import sys
 from itertools import islice
 from types import SimpleNamespace
 
@@ -79,10 +82,13 @@ def _ids_and_audio(batches):
     return [(b.sample_ids, b.input_ids.tolist(), b.audios) for b in batches]
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_any_worker_count_gives_the_same_batches_fresh_and_resumed(tiny_target, audio_estimator, demo_data, packing):
+@pytest.mark.parametrize("packing, bucketing", [(False, False), (True, False), (False, True)])
+def test_any_worker_count_gives_the_same_batches_fresh_and_resumed(tiny_target, audio_estimator, demo_data, packing,
+                                                                   bucketing):
+    """Bucketing included: lhotse seeds its bucket choice with the worker id inside a worker, unless told not to."""
     def batches(workers, resumed_after=0, n=5):
-        module = _module(tiny_target, audio_estimator, [_cuts(demo_data[0])], workers=workers, packing=packing)
+        module = _module(tiny_target, audio_estimator, [_cuts(demo_data[0])], workers=workers, packing=packing,
+                         use_bucketing=bucketing, rank=0, world_size=2)
         if resumed_after:
             _resumed_after(module, resumed_after)
         return _ids_and_audio(islice(iter(module.train_dataloader()), n))
@@ -95,14 +101,16 @@ def test_any_worker_count_gives_the_same_batches_fresh_and_resumed(tiny_target, 
     assert [b[:2] for b in batches(3, resumed_after=3)] == [s[:2] for s in straight[3:8]]
 
 
-def test_validation_dealing_across_ranks_is_the_same_with_workers(tiny_target, audio_estimator, demo_data, tmp_path):
+@pytest.mark.parametrize("bucketing", [False, True])
+def test_validation_dealing_across_ranks_is_the_same_with_workers(tiny_target, audio_estimator, demo_data, tmp_path,
+                                                                  bucketing):
     val = tmp_path / "val.jsonl.gz"
     CutSet.from_file(demo_data[0]).subset(first=20).to_file(val)
 
     def ids(rank, workers):
         module = _module(tiny_target, audio_estimator, [_cuts(demo_data[0])], [_cuts(val)], workers=workers,
                          rank=rank, world_size=2, batch_tokens=None, max_tokens=None, batch_size=3,
-                         use_bucketing=False)
+                         use_bucketing=bucketing)
         (loader,) = module.val_dataloader()
         first, again = [b.sample_ids for b in loader], [b.sample_ids for b in loader]  # persistent workers
         assert first == again
@@ -143,3 +151,32 @@ def test_a_bad_record_met_in_a_worker_stops_the_run_with_its_one_line(tiny_targe
         list(loader)
     assert str(err.value) == f"{chats}:1: turn 0: unknown role from='Robot' (expected User, Assistant or System)"
     assert "\n" not in str(err.value) and "worker process" in err.value.__notes__[0]
+
+
+EXITS_AFTER_A_WORKER_RAISED = """
+from dflash_train.config.schema import DatasetConfig
+from dflash_train.data.conversation import DataError
+from dflash_train.data.examples import SkipCounter
+from dflash_train.data.loader import speech_loader
+
+
+def collate(examples):
+    if examples == ["bad"]:
+        raise DataError("records.jsonl:2: a planted bad record")
+    return examples
+
+
+for batch in speech_loader([["good"], ["bad"], ["good"]], collate, SkipCounter(), DatasetConfig(num_workers=2)):
+    pass
+"""
+
+
+def test_a_process_whose_worker_raised_exits_with_the_error(tmp_path):
+    """The workers ignore SIGTERM (preemption is the trainer's), which is how ``multiprocessing`` stops them at
+    exit: without the loader's own exit hook the failed process would wait for its workers forever."""
+    script = tmp_path / "fails.py"
+    script.write_text(EXITS_AFTER_A_WORKER_RAISED)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == "dflash_train.data.conversation.DataError: records.jsonl:2: a planted bad record"

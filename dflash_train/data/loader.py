@@ -20,16 +20,30 @@ What this costs and keeps:
   resumed stream equals the uninterrupted one.
 - Errors raised in a worker reach the training process as their one-line message
   (``errors.OneLineError``).
+- Every worker walks the *same* stream: lhotse's bucketing sampler would seed its bucket choice
+  with the worker's id when iterated in one (its own design gives each worker a different
+  shard), so the sampler is started as the training process would start it
+  (:func:`_as_the_training_process`); the bucket choice stays in step across ranks as well.
+- Exit: workers ignore preemption signals (:func:`leave_preemption_to_the_trainer`), but SIGTERM
+  is also how ``multiprocessing`` stops daemon processes when their parent leaves, before
+  joining them: a process leaving with live workers (a worker raised, the run failed) would wait
+  for them forever. So an exit hook of the training process, which runs before
+  ``multiprocessing``'s, raises a shared flag; a worker obeys SIGTERM once it is up.
 """
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
+import os
 import signal
+from contextlib import contextmanager
 from itertools import islice
 from typing import Iterable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data._utils import worker as torch_worker
 
 from dflash_train.config.schema import DatasetConfig
 from dflash_train.constants import PREEMPTION_SIGNALS
@@ -38,16 +52,44 @@ from dflash_train.data.collate import SpeechCollator
 from dflash_train.data.examples import Example, SkipCounter
 
 
+# Raised by the training process's exit hook; registered after multiprocessing's (imported with
+# torch), so it runs first. Workers read it through their dataset (``SampledBatches.exiting``).
+_EXITING = multiprocessing.RawValue("b", 0)
+
+
+@atexit.register
+def _training_process_is_leaving() -> None:
+    _EXITING.value = 1
+
+
 def leave_preemption_to_the_trainer(_worker_id: int) -> None:
-    """Loader workers ignore SIGTERM / SIGUSR1: the training process turns them into a checkpoint.
+    """Loader workers ignore SIGTERM / SIGUSR1 while their training process runs: it turns them into a checkpoint.
 
     torchrun passes SIGTERM to each rank's whole process group and SLURM signals every process of
     a job step, workers included; a worker killed by it makes the rank's loader fail ("worker
     exited unexpectedly") before the step boundary where the preemption checkpoint is saved.
-    Workers still stop when the loader shuts them down or their rank exits.
+    Workers still stop when the loader shuts them down, when their rank dies, and on SIGTERM once
+    their training process is leaving (see the module docstring).
     """
+    exiting = get_worker_info().dataset.exiting
+
+    def on_sigterm(_signum, _frame) -> None:
+        if exiting.value:
+            os._exit(0)
+
     for signum in PREEMPTION_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
+        signal.signal(signum, on_sigterm if signum == signal.SIGTERM else signal.SIG_IGN)
+
+
+@contextmanager
+def _as_the_training_process() -> Iterator[None]:
+    """Within: ``get_worker_info()`` is ``None``, as in the training process (see the module docstring)."""
+    info = torch_worker._worker_info
+    torch_worker._worker_info = None
+    try:
+        yield
+    finally:
+        torch_worker._worker_info = info
 
 
 class SampledBatches(IterableDataset):
@@ -63,13 +105,16 @@ class SampledBatches(IterableDataset):
         self.skips = skips
         self.worker_skips = worker_skips
         self.skip = skip
+        self.exiting = _EXITING
 
     def __iter__(self) -> Iterator[SpeechBatch]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None:
             self.skips.count_in_worker(self.worker_skips, counts=worker == 0)
-        for examples in islice(iter(self.sampler), self.skip + worker, None, workers):
+        with _as_the_training_process():  # islice starts the sampler (a lhotse sampler restarts on each iter())
+            batches = islice(self.sampler, self.skip + worker, None, workers)
+        for examples in batches:
             yield self.collate(examples)
 
 
