@@ -11,7 +11,6 @@ printing what ``dflash-eval`` prints and writing ``runs/demo/eval.json`` and ``r
 
 from __future__ import annotations
 
-import logging
 import shlex
 import shutil
 import sys
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 
 from dflash_train.cli.common import run_command
+from dflash_train.cli.console import configure_console
 from dflash_train.config import validate_config
 from dflash_train.config.compose import compose_config
 from dflash_train.config.schema import RunConfig
@@ -117,7 +117,7 @@ def run_demo(overrides: list[str]) -> int:
 def main(overrides: list[str] | None = None) -> int:
     """Run the demo with ``overrides`` (default: the command line); one-line errors, the exit code."""
     overrides = sys.argv[1:] if overrides is None else overrides
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s %(levelname)s] %(message)s")
+    configure_console()
     return run_command("demo", lambda: run_demo(overrides), debug=False)
 
 

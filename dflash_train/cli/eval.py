@@ -15,12 +15,12 @@ run ``dflash-eval --rerun-failed REPORT.json``).
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from dflash_train.cli.common import add_debug_argument, run_command
+from dflash_train.cli.console import configure_console
 from dflash_train.evaluate.arguments import (
     UsageError,
     add_data_arguments,
@@ -118,7 +118,7 @@ def _run(args: argparse.Namespace):
 def main(argv: Optional[list[str]] = None) -> int:
     """Console entry point; returns the exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s %(levelname)s] %(message)s")
+    configure_console()
     return run_command("dflash-eval", lambda: _evaluate(args), args.debug, EXIT_USAGE)
 
 

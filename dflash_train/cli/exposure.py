@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Optional
 
 from dflash_train.cli.common import add_debug_argument, run_command
+from dflash_train.cli.console import configure_console
 from dflash_train.data import exposure as exposure_estimate
 from dflash_train.data.exposure import estimate_exposure, recipe_batches
 from dflash_train.files import check_writable_file
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     """Console entry point: 0 on success, 2 on bad arguments, config or data."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s %(levelname)s] %(message)s")
+    configure_console()
     return run_command("dflash-exposure", lambda: _estimate(args), args.debug, EXIT_USAGE)
 
 

@@ -16,11 +16,11 @@ arguments, config or inputs.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Optional
 
 from dflash_train.cli.common import add_debug_argument, run_command
+from dflash_train.cli.console import configure_console
 from dflash_train.evaluate.arguments import (
     add_data_arguments,
     add_decoding_arguments,
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     """Console entry point; returns the exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s %(levelname)s] %(message)s")
+    configure_console()
     return run_command("dflash-labels", lambda: _label(args), args.debug, EXIT_USAGE)
 
 

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import shlex
 import sys
 from pathlib import Path
 from typing import Optional
 
 from dflash_train.cli.common import add_debug_argument, run_command
+from dflash_train.cli.console import configure_console
 from dflash_train.evaluate.arguments import UsageError, add_data_arguments, input_config
 
 EXIT_USAGE, EXIT_FAILED_REQUESTS = 2, 3
@@ -226,7 +226,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Console entry point; returns the exit status (see the module docstring)."""
     args = build_parser().parse_args(argv)
     args.argv = argv
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s %(levelname)s] %(message)s")
+    configure_console()
     return run_command("dflash-serve-bench", lambda: _run(args), args.debug, EXIT_USAGE)
 
 

@@ -15,6 +15,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_train.cli.console import configure_console
 from dflash_train.config import missing_keys, validate_config
 from dflash_train.constants import CONFIG_DIR
 from dflash_train.errors import ConfigError
@@ -63,7 +64,7 @@ def _report_missing_after_show_cfg() -> None:
 
 def main() -> None:
     """Console entry point (``dflash-train``, ``python -m dflash_train``, ``torchrun -m dflash_train``)."""
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s %(levelname)s] %(message)s")
+    configure_console()
     _hydra_main()
     if any(arg in ("--cfg", "-c") or arg.startswith("--cfg=") for arg in sys.argv[1:]):
         _report_missing_after_show_cfg()
