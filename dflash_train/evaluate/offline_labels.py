@@ -26,6 +26,7 @@ from dflash_train.data.prompt import ChatMLFormat
 from dflash_train.errors import ConfigError
 from dflash_train.evaluate.decoder import StopRule
 from dflash_train.evaluate.requests import RequestFailure, greedy_reply, prompt_embeddings, read_requests
+from dflash_train.progress import progress
 from dflash_train.target import FrozenTarget
 
 ORIGINAL_TEXT = "original_text"  # cuts (supervision custom field) and NeMo ASR manifests
@@ -133,7 +134,7 @@ def generate_labels(
     run = LabelRun(str(output), settings)
     records = []
     requests = read_requests(inp, prompt_format, estimator, system_prompt, limit=limit, sample_ids=sample_ids)
-    for request in requests:
+    for request in progress(requests, "dflash-labels", total=len(sample_ids) if sample_ids is not None else None):
         if isinstance(request, RequestFailure):
             run.excluded.append(Excluded(request.index, request.id, "failed", request.error))
             continue

@@ -40,6 +40,7 @@ from dflash_train.evaluate.requests import (
     reply_text,
 )
 from dflash_train.evaluate.session import TargetSession
+from dflash_train.progress import progress
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +215,12 @@ def evaluate_request(settings: EvalSettings, loaded: Loaded, request: EvalReques
     return SampleResult(request.index, request.id, request.reference, _generation(reference, reference_text), outputs)
 
 
+def _selected_count(settings: EvalSettings, indices: Optional[set[int]]) -> Optional[int]:
+    """How many records the run evaluates when it names them (a re-run's indices, ``--sample-ids``), else unknown."""
+    counts = [len(set(selected)) for selected in (indices, settings.sample_ids) if selected is not None]
+    return min(counts) if counts else None
+
+
 def evaluate(settings: EvalSettings, loaded: Loaded, indices: Optional[set[int]] = None) -> EvalReport:
     """Evaluate every selected request (``indices``: only those records, for a re-run)."""
     requests = read_requests(
@@ -226,7 +233,7 @@ def evaluate(settings: EvalSettings, loaded: Loaded, indices: Optional[set[int]]
         sample_ids=set(settings.sample_ids) if settings.sample_ids is not None else None,
     )
     samples, failures = [], []
-    for request in requests:
+    for request in progress(requests, "dflash-eval", total=_selected_count(settings, indices)):
         if isinstance(request, RequestFailure):
             failures.append(request)
             log.warning("sample %s failed: %s", request.id, request.error)
@@ -239,7 +246,6 @@ def evaluate(settings: EvalSettings, loaded: Loaded, indices: Optional[set[int]]
             failures.append(RequestFailure(request.index, request.id, f"{type(err).__name__}: {err}"))
             log.warning("sample %s failed: %s: %s", request.id, type(err).__name__, err)
             continue
-        log.info("sample %s: %d tokens", request.id, len(samples[-1].target.token_ids))
     expected = len(samples) + len(failures)
     return EvalReport(settings.to_dict(), expected, samples, failures)
 
