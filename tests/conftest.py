@@ -200,6 +200,18 @@ def audio_estimator(tiny_target):
     return AudioTokenEstimator.from_target(tiny_target)
 
 
+def rank_log_lines(root: Path, text: str) -> dict[int, list[str]]:
+    """Per rank, the lines holding ``text`` in its Hydra log files under ``root`` (every launch there).
+
+    A multi-rank run's console has INFO lines from rank 0 only (cli/console.py); each rank's file keeps all.
+    """
+    lines: dict[int, list[str]] = {}
+    for rank in (0, 1):
+        for path in sorted(root.rglob(f"dflash_train_rank{rank}.log")):
+            lines.setdefault(rank, []).extend(line for line in path.read_text().splitlines() if text in line)
+    return lines
+
+
 def run_launcher(command: list[str], env: dict, timeout: float):
     """``subprocess.run`` for torchrun: on timeout the whole process group is killed, workers included.
 

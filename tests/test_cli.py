@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import rank_log_lines
 
 BIN = Path(sys.executable).parent
 
@@ -96,8 +97,10 @@ def test_torchrun_trains_with_two_fsdp2_ranks(tiny_salm_dir, demo_data, tmp_path
                  "trainer.strategy.name=fsdp2"], tmp_path, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     out = proc.stdout + proc.stderr
-    assert out.count("steps: 3; final train loss") == 2, "both ranks report the run"
-    assert out.count(f"export: {run_dir / 'export'}") == 2 and "no final export" not in out
+    assert out.count("steps: 3; final train loss") == 1, "rank 0 reports the run on the console, once"
+    assert out.count(f"export: {run_dir / 'export'}") == 1 and "no final export" not in out
+    logs = rank_log_lines(tmp_path, "steps: 3; final train loss")
+    assert [len(logs.get(rank, [])) for rank in (0, 1)] == [1, 1], "each rank's log file keeps its own lines"
     assert (run_dir / "export" / "model.safetensors").exists()
 
 

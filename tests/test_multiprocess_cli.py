@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, run_launcher, worst_difference
+from conftest import REPO_ROOT, rank_log_lines, run_launcher, worst_difference
 from safetensors.torch import load_file
 
 BIN = Path(sys.executable).parent
@@ -176,9 +176,11 @@ def test_ranks_validate_on_disjoint_halves_of_the_validation_set(straight, cuts)
 
 
 def test_a_broken_record_is_counted_once_over_both_ranks_and_its_workers(straight):
-    _, _, output = straight
-    summaries = [line for line in output.splitlines() if "skipped samples:" in line]
-    assert len(summaries) == 2 and all(line.endswith("skipped samples: missing_audio 1") for line in summaries)
+    _, exp_dir, output = straight
+    summaries = rank_log_lines(exp_dir, "skipped samples:")
+    assert all(len(summaries[rank]) == 1 and summaries[rank][0].endswith("skipped samples: missing_audio 1")
+               for rank in (0, 1))
+    assert output.count("skipped samples:") == 1  # the console: rank 0's summary only
 
 
 def test_fsdp2_shards_the_draft_over_both_ranks(straight):
@@ -251,7 +253,7 @@ def test_serving_validation_pools_both_ranks_counters_on_three_records(straight,
     from dflash_train.evaluate.loading import TargetSource
     from dflash_train.evaluate.run import evaluate, prepare
 
-    run_dir, _, output = straight
+    run_dir, exp_dir, _ = straight
     _, val, _ = cuts
     settings, loaded = prepare(TargetSource(checkpoint=str(tiny_salm_dir)), {"draft": str(run_dir / "export")},
                                InputConfig(type="lhotse_as_conversation", cuts_path=str(val)), max_new_tokens=64,
@@ -261,8 +263,9 @@ def test_serving_validation_pools_both_ranks_counters_on_three_records(straight,
     assert [int(float(row["step"])) for row in rows] == [3, 7]  # Lightning's 0-based step of validations 4 and 8
     assert int(float(rows[-1]["val/serving_rounds"])) == counters.rounds > 0
     assert int(float(rows[-1]["val/serving_failed"])) == 0
-    summaries = [line for line in output.splitlines() if f"steps: {STEPS};" in line]
-    assert len(summaries) == 2 and all(line.endswith(f"serving MAL {counters.mal:.4f}") for line in summaries)
+    summaries = rank_log_lines(exp_dir, f"steps: {STEPS};")
+    assert all(len(summaries[rank]) == 1 and summaries[rank][0].endswith(f"serving MAL {counters.mal:.4f}")
+               for rank in (0, 1))
 
 
 def test_the_checkpoint_holds_the_round_starts_both_ranks_mined(straight):
@@ -325,10 +328,12 @@ def _preempt(command: list[str], log_path: Path, signum: int) -> str:
     return log_path.read_text()
 
 
-def _check_preempted_then_resume(output: str, signame: str, command: list[str], run_dir: Path) -> int:
-    notes = [line for line in output.splitlines() if f"preempted by {signame} at step" in line]
-    assert len(notes) == 2, output[-4000:]  # both ranks report it
-    stopped_at = int(notes[0].split("at step ")[1].split(":")[0])
+def _check_preempted_then_resume(output: str, signame: str, command: list[str], run_dir: Path, exp_dir: Path) -> int:
+    notes = rank_log_lines(exp_dir, f"preempted by {signame} at step")
+    assert [len(notes.get(rank, [])) for rank in (0, 1)] == [1, 1], output[-4000:]  # both ranks stopped
+    stopped = {int(notes[rank][0].split("at step ")[1].split(":")[0]) for rank in (0, 1)}
+    assert len(stopped) == 1, notes  # at the same step
+    stopped_at = stopped.pop()
     assert 2 <= stopped_at < STEPS
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == stopped_at
@@ -349,7 +354,7 @@ def test_sigterm_under_fsdp2_with_workers_resumes_to_the_uninterrupted_weights(s
     run_dir = tmp_path / "run"
     command = _command(tiny_salm_dir, cuts, run_dir, tmp_path / "exp")
     output = _preempt(command, tmp_path / "preempted.log", signal.SIGTERM)
-    stopped_at = _check_preempted_then_resume(output, "SIGTERM", command, run_dir)
+    stopped_at = _check_preempted_then_resume(output, "SIGTERM", command, run_dir, tmp_path / "exp")
     worst = worst_difference(_export_weights(run_dir), _export_weights(straight[0]))
     print(f"\nSIGTERM at step {stopped_at} + resume vs uninterrupted (FSDP2, 2 workers, bf16): max |dw| = {worst:.3g}")
     assert worst == 0.0  # same ops on the same data in the same order: bit-equal
@@ -369,7 +374,7 @@ def test_sigusr1_with_gradient_accumulation_resumes_to_the_uninterrupted_weights
     run_dir = tmp_path / "run"
     command = _command(tiny_salm_dir, cuts, run_dir, tmp_path / "exp1", ACCUMULATE)
     output = _preempt(command, tmp_path / "preempted.log", signal.SIGUSR1)
-    stopped_at = _check_preempted_then_resume(output, "SIGUSR1", command, run_dir)
+    stopped_at = _check_preempted_then_resume(output, "SIGUSR1", command, run_dir, tmp_path / "exp1")
     worst = worst_difference(_export_weights(run_dir), _export_weights(straight_dir))
     print(f"\nSIGUSR1 at step {stopped_at} + resume vs uninterrupted (accumulate 2): max |dw| = {worst:.3g}")
     assert worst == 0.0
@@ -418,7 +423,7 @@ def test_text_only_batches_and_a_rank_without_readable_serving_records_keep_coll
         "data.train_ds.input_cfg=[{type:multimodal_conversation,manifest_filepath:'" + str(conversations) + "'}]",
         "trainer.max_steps=4", "trainer.val_check_interval=2", "dflash.serving_val_samples=3",
     )
-    output = _run(command)
+    _run(command)
     rank0 = {i for r in _sample_log(run_dir, 0) if r["split"] == "train" for i in r["ids"]}
     rank1 = {i for r in _sample_log(run_dir, 1) if r["split"] == "train" for i in r["ids"]}
     assert rank0 and rank0 <= set(ids["text"]) and rank1 and not rank1 & set(ids["text"])
@@ -430,8 +435,9 @@ def test_text_only_batches_and_a_rank_without_readable_serving_records_keep_coll
     last = [row for row in _metrics(run_dir) if row.get("val/serving_rounds")][-1]
     assert int(float(last["val/serving_failed"])) == 1
     assert int(float(last["val/serving_rounds"])) == counters.rounds > 0
-    summaries = [line for line in output.splitlines() if "steps: 4;" in line]
-    assert len(summaries) == 2 and all(line.endswith(f"serving MAL {counters.mal:.4f}") for line in summaries)
+    summaries = rank_log_lines(tmp_path / "exp", "steps: 4;")
+    assert all(len(summaries[rank]) == 1 and summaries[rank][0].endswith(f"serving MAL {counters.mal:.4f}")
+               for rank in (0, 1))
 
 
 STAMP_WORKER = """

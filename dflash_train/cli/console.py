@@ -1,9 +1,11 @@
-"""What a run prints: each line once, and none of the third-party notices that are not the user's to act on.
+"""What a run prints: each line once, INFO lines from rank 0 only, and no third-party notice the user need not act on.
 
 Every command line tool calls :func:`configure_console` first. Known-harmless notices are silenced at
 their source, each by its logger (or warning's module) and message, with the reason next to it in
-:data:`KNOWN_NOTICES`; nothing is filtered by a blanket rule. ``DFLASH_VERBOSE=1`` in the environment
-brings every notice back.
+:data:`KNOWN_NOTICES`; nothing is filtered by a blanket rule. On ranks other than 0 the console shows
+warnings and errors only (a rank's own skips are warnings); each rank's log file under the run's
+Hydra directory keeps all its lines. ``DFLASH_VERBOSE=1`` in the environment brings everything back:
+every notice, and every rank's INFO lines.
 """
 
 from __future__ import annotations
@@ -69,9 +71,17 @@ KNOWN_NOTICES = (
 )
 
 
+def console_level() -> str:
+    """This process's console level: INFO on rank 0 (``RANK``, as torchrun sets it) or with ``DFLASH_VERBOSE=1``,
+    WARNING elsewhere. ``dflash-train`` gives it to Hydra's console handler too (``hydra.job_logging``)."""
+    return "INFO" if os.environ.get("RANK", "0") == "0" or os.environ.get(VERBOSE_ENV) == "1" else "WARNING"
+
+
 def configure_console() -> None:
     """Log lines in one format through one handler (each printed once), known notices silenced."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(console_level())
     import lightning  # noqa: F401  (its import gives the 'lightning' logger a handler of its own: below)
 
     # Lightning's own console handler repeats every line its loggers also propagate to ours

@@ -15,7 +15,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from dflash_train.cli.console import configure_console
+from dflash_train.cli.console import configure_console, console_level
 from dflash_train.config import missing_keys, validate_config
 from dflash_train.constants import CONFIG_DIR
 from dflash_train.errors import ConfigError
@@ -25,6 +25,8 @@ log = logging.getLogger("dflash_train")
 
 # ${dflash_launch_stamp:} in hydra.run.dir: one directory for all ranks of a launch.
 OmegaConf.register_new_resolver("dflash_launch_stamp", launch_stamp, use_cache=True, replace=True)
+# ${dflash_console_level:} in hydra.job_logging: INFO on rank 0, WARNING on the other ranks.
+OmegaConf.register_new_resolver("dflash_console_level", console_level, replace=True)
 
 
 def run(cfg: DictConfig) -> None:
