@@ -1,4 +1,4 @@
-"""Progress of long per-sample work (evaluation, labelling): a bar on a terminal, a line every N items in a log.
+"""Progress of long per-sample work (evaluation, labelling, exposure): a bar on a terminal, a line every N items in a log.
 
 A person at a terminal gets tqdm's bar with the rate and, when the total is known, the ETA. Output
 that goes to a file (a SLURM log, ``tee``) gets one INFO line every ``every`` items and one at the
@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 def progress_line(what: str, done: int, total: Optional[int], unit: str, seconds: float) -> str:
     """``"<what>: 50/200 samples, 2.50 samples/s, ETA 0:01:00"`` (no total: no ETA)."""
     rate = done / seconds if seconds > 0 else 0.0
-    line = f"{what}: {done}" + (f"/{total}" if total is not None else "") + f" {unit}s, {rate:.2f} {unit}s/s"
+    units = unit + ("es" if unit.endswith(("s", "ch")) else "s")
+    line = f"{what}: {done}" + (f"/{total}" if total is not None else "") + f" {units}, {rate:.2f} {units}/s"
     if total is not None and rate > 0 and done < total:
         line += f", ETA {timedelta(seconds=round((total - done) / rate))}"
     return line

@@ -42,3 +42,4 @@ def test_the_line_gives_the_rate_and_the_time_left():
     assert progress_line("dflash-eval", 50, 200, "sample", 20.0) == \
         "dflash-eval: 50/200 samples, 2.50 samples/s, ETA 0:01:00"
     assert progress_line("dflash-labels", 3, None, "sample", 2.0) == "dflash-labels: 3 samples, 1.50 samples/s"
+    assert progress_line("dflash-exposure", 2, 4, "batch", 1.0) == "dflash-exposure: 2/4 batches, 2.00 batches/s, ETA 0:00:01"

@@ -18,6 +18,7 @@ from dflash_train.cli.console import configure_console
 from dflash_train.data import exposure as exposure_estimate
 from dflash_train.data.exposure import estimate_exposure, recipe_batches
 from dflash_train.files import check_writable_file
+from dflash_train.progress import progress
 
 EXIT_USAGE = 2
 
@@ -64,7 +65,7 @@ def _estimate(args: argparse.Namespace) -> int:
     target = load_target(run.model, "cpu", "float32")  # its tokenizer and perception lengths are needed
     prompt_format = build_prompt_format(run.data.prompt_format, target.tokenizer, run.model.audio_locator_tag)
     estimate = estimate_exposure(
-        recipe_batches(run, target, args.batches),
+        progress(recipe_batches(run, target, args.batches), "dflash-exposure", total=args.batches, unit="batch"),
         prompt_format.audio_locator_tag_id,
         run.dflash.block_size,
         run.dflash.num_anchors,
