@@ -10,7 +10,7 @@ workers. This measures the CPU time of the training process's main thread (``tim
 per training batch for both designs, on the same data module (the tiny real SALM's tokenizer and
 exact audio estimator, real espeak-ng speech), the same sampler settings and two workers each: the
 "main-process sampler" loader is that design rebuilt here (``DataLoader(sampler=...)`` over the
-same collator), the "worker sampler" one is what training uses. Each design's loader starts (its
+same sampler and collator), the "worker sampler" one is the data module's own training loader. Each design's loader starts (its
 workers fork and fill their prefetch) before the timed batches; rounds alternate the designs so
 machine noise hits both. Audio as 16-bit WAV and as float32 WAV.
 """
@@ -32,7 +32,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from dflash_train.config.schema import DataConfig, DatasetConfig, InputConfig
 from dflash_train.data.collate import SpeechCollator
-from dflash_train.data.loader import speech_loader
 from dflash_train.data.module import SpeechDataModule
 from dflash_train.data.sampling import build_sampler, train_shuffle
 
@@ -59,14 +58,7 @@ def _main_process_sampler(module: SpeechDataModule) -> DataLoader:
                       persistent_workers=True, pin_memory=False)
 
 
-def _worker_sampler(module: SpeechDataModule) -> DataLoader:
-    ds = module.cfg.train_ds
-    sampler = build_sampler(module.train_examples(), ds, train_shuffle(ds), module.train_seed, 0, 1)
-    collate = SpeechCollator(module.pad_id, module.prompt_format.audio_locator_tag_id, ds.packing, "train")
-    return speech_loader(sampler, collate, module.skips, ds)
-
-
-DESIGNS = {"main-process sampler": _main_process_sampler, "worker sampler": _worker_sampler}
+DESIGNS = {"main-process sampler": _main_process_sampler, "worker sampler": SpeechDataModule.train_dataloader}
 
 
 def _float_copy(cuts_path: Path, out: Path) -> Path:
