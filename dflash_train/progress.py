@@ -30,17 +30,19 @@ def progress_line(what: str, done: int, total: Optional[int], unit: str, seconds
 
 
 def progress(items: Iterable[Item], what: str, total: Optional[int] = None, unit: str = "sample",
-             every: int = LOG_EVERY, stream: Optional[IO[str]] = None) -> Iterator[Item]:
+             every: int = LOG_EVERY, stream: Optional[IO[str]] = None, transient: bool = False) -> Iterator[Item]:
     """``items`` unchanged, reporting how many the caller has finished (see the module docstring).
 
     An item counts as done when the caller asks for the next one. ``stream`` (default stderr)
-    decides between the bar (a terminal) and the log lines.
+    decides between the bar (a terminal) and the log lines. ``transient``: a part of larger work
+    that reports its own result (serving validation inside training): the bar disappears when done
+    and no closing line is logged.
     """
     stream = sys.stderr if stream is None else stream
     if stream.isatty():
         from tqdm import tqdm
 
-        yield from tqdm(items, desc=what, total=total, unit=unit, file=stream, dynamic_ncols=True)
+        yield from tqdm(items, desc=what, total=total, unit=unit, file=stream, dynamic_ncols=True, leave=not transient)
         return
     start, done = time.perf_counter(), 0
     for item in items:
@@ -48,5 +50,5 @@ def progress(items: Iterable[Item], what: str, total: Optional[int] = None, unit
         done += 1
         if done % every == 0:
             log.info(progress_line(what, done, total, unit, time.perf_counter() - start))
-    if done % every:
+    if done % every and not transient:
         log.info(progress_line(what, done, total, unit, time.perf_counter() - start))

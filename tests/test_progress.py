@@ -43,3 +43,13 @@ def test_the_line_gives_the_rate_and_the_time_left():
         "dflash-eval: 50/200 samples, 2.50 samples/s, ETA 0:01:00"
     assert progress_line("dflash-labels", 3, None, "sample", 2.0) == "dflash-labels: 3 samples, 1.50 samples/s"
     assert progress_line("dflash-exposure", 2, 4, "batch", 1.0) == "dflash-exposure: 2/4 batches, 2.00 batches/s, ETA 0:00:01"
+
+
+def test_a_transient_part_logs_no_closing_line_and_leaves_no_bar(caplog):
+    with caplog.at_level(logging.INFO, logger="dflash_train.progress"):
+        assert list(progress(range(5), "serving validation", every=2, stream=io.StringIO(), transient=True)) == [0, 1, 2, 3, 4]
+    assert [r.getMessage().split(",")[0] for r in caplog.records] == ["serving validation: 2 samples",
+                                                                      "serving validation: 4 samples"]
+    terminal = Terminal()
+    list(progress(range(3), "serving validation", total=3, stream=terminal, transient=True))
+    assert terminal.getvalue().endswith("\r") and "\n" not in terminal.getvalue()  # the bar cleared its line

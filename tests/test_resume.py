@@ -55,6 +55,25 @@ def test_resume_is_exact(tiny_salm_dir, tiny_target, speech_batch, tmp_path, var
     assert resumed_lrs[-3:] == pytest.approx(lrs[-3:], rel=1e-9)
     worst = runs.worst()
     assert worst <= 1e-6, f"resumed weights differ by {worst}"
+    _the_report_spans_both_launches(tmp_path, variant, curve)
+
+
+def _the_report_spans_both_launches(root, variant, straight_curve):
+    """The resumed run's report (written by its second launch) holds all six steps' losses, equal to the
+    uninterrupted run's, with the resume marked: Lightning's CSV logger alone would keep the last three."""
+    from dflash_train.training.history import read_history
+    from dflash_train.training.report import training_figure
+
+    report = (root / "resumed" / "report.md").read_text()
+    assert "2 launches (resumed at step 3)" in report and "`csv/metrics.launch-1.csv`, `csv/metrics.csv`" in report
+    figure = training_figure(read_history(root / "resumed"))
+    loss_panel = next(ax for ax in figure.axes if ax.get_title() == "loss")
+    lines = {line.get_label(): line for line in loss_panel.get_lines()}
+    assert list(lines["train loss"].get_xdata()) == [0, 1, 2, 3, 4, 5]
+    assert list(lines["train loss"].get_ydata()) == pytest.approx(straight_curve, abs=1e-6)
+    assert [x for line in loss_panel.get_lines() if line.get_label() == "resumed" for x in line.get_xdata()] == [3, 3]
+    if variant == "dflash2":  # its loss's parts
+        assert {"base loss", "selector loss"} <= lines.keys()
 
 
 def test_a_run_and_its_export_record_what_made_them(tiny_salm_dir, tiny_target, speech_batch, tmp_path):

@@ -75,6 +75,31 @@ def test_the_logged_serving_mal_is_what_dflash_eval_measures_on_the_export(varia
             f"{summary.val_serving_mal:.4f}") in caplog.text
     assert f"serving MAL {summary.val_serving_mal:.4f}" in "\n".join(summary.report(_recipe(
         tiny_salm_dir, demo_data, run_dir, f"dflash={variant}")[0]))
+    _the_report_shows_what_dflash_eval_measures(run_dir, summary, counters)
+
+
+def _the_report_shows_what_dflash_eval_measures(run_dir, summary, counters):
+    """The run report written at train end: its acceptance panel's last serving point, its validation table and
+    its per-position table hold dflash-eval's figures for the export."""
+    from dflash_train.training.history import read_history
+    from dflash_train.training.report import acceptance_figure, per_position_figure
+
+    assert summary.report_path == run_dir / "report.md"
+    report = summary.report_path.read_text()
+    history = read_history(run_dir)
+    panel = acceptance_figure(history, "").axes[0]
+    served = next(line for line in panel.get_lines() if line.get_label().startswith("serving MAL"))
+    assert list(served.get_xdata()) == [5, 11] and served.get_ydata()[-1] == pytest.approx(counters.mal, abs=1e-6)
+    forced = next(line for line in panel.get_lines() if line.get_label().startswith("val accept_len"))
+    assert forced.get_ydata()[-1] == pytest.approx(summary.val_accept_len, abs=1e-6)
+    assert f"| 11 | {summary.val_loss:.3f} | {summary.val_accept_len:.3f} | {counters.mal:.3f} |" in report
+    positions = counters.positions()
+    per_position = per_position_figure(history, 11).axes[0].get_lines()
+    for position in positions:
+        rate, conditional = (f"{v:.3f}" if not math.isnan(v) else "nan" for v in (position.rate, position.conditional))
+        assert f"| {position.k} | {rate} | {conditional} |" in report, position
+    assert list(per_position[0].get_ydata()) == pytest.approx([p.rate for p in positions], abs=1e-6, nan_ok=True)
+    assert f"`{summary.export_dir}`: the weights of step 12." in report and "serve: " in report
 
 
 def test_a_checkpoint_monitored_on_serving_mal_needs_serving_validation(tiny_salm_dir, demo_data, tmp_path):

@@ -7,6 +7,7 @@ speech) with the target's greedy labels, exported to ``runs/demo/export`` and ve
 the vLLM-ready target to ``runs/demo/target``, prints the serve command for both, and finally
 evaluates the draft on the held-out validation set with the reference speculative decoder,
 printing what ``dflash-eval`` prints and writing ``runs/demo/eval.json`` and ``runs/demo/eval.png``.
+It ends by pointing at the run's report, ``runs/demo/report.md`` (training curves; ``dflash-report``).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def run_demo(overrides: list[str]) -> int:
     """Train, export and evaluate the demo draft on ``conf/demo.yaml`` plus ``overrides``; the exit code."""
     from dflash_train.target.vllm_export import export_target
     from dflash_train.training.recipe import train
+    from dflash_train.training.report import write_run_report
 
     started = time.perf_counter()
     validated = validate_config(compose_config(DEMO_CONFIG, overrides))
@@ -110,6 +112,8 @@ def run_demo(overrides: list[str]) -> int:
     if summary.export_dir is None:
         return 1
     status = evaluate_on_validation(validated.run, overrides, summary.export_dir, run_dir)
+    report = write_run_report(run_dir, serve_target=str(target))  # again, now with the serve command's target
+    print(f"\nthe run's report (training curves, teacher-forced vs serving acceptance): {report}")
     print(f"wall time: {time.perf_counter() - started:.0f} s")
     return status
 

@@ -9,7 +9,7 @@ from dflash_train.config.schema import (
     RunConfig,
     TrainerConfig,
 )
-from dflash_train.config.validate import missing_keys, validate_config
+from dflash_train.config.validate import missing_keys, read_resolved_config, validate_config
 
 __all__ = [
     "DataConfig",
@@ -20,5 +20,6 @@ __all__ = [
     "RunConfig",
     "TrainerConfig",
     "missing_keys",
+    "read_resolved_config",
     "validate_config",
 ]

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import inspect
 import typing
+from pathlib import Path
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable, NamedTuple
@@ -130,16 +131,27 @@ def _variant_schema(dflash: DictConfig) -> type[DFlashConfig]:
     return variant_named(dflash.get("variant", "dflash2")).config_schema
 
 
+def _run_schema(cfg: DictConfig) -> DictConfig:
+    """The structured :class:`RunConfig` for ``cfg``, its ``dflash`` node the chosen variant's own schema."""
+    schema = OmegaConf.structured(RunConfig)
+    schema.dflash = OmegaConf.structured(_variant_schema(cfg.get("dflash") or OmegaConf.create({})))
+    return schema
+
+
+def read_resolved_config(path: str | Path) -> RunConfig:
+    """A run's ``resolved_config.yaml`` (written at train start from the validated recipe) as its :class:`RunConfig`."""
+    saved = OmegaConf.load(path)
+    return OmegaConf.to_object(OmegaConf.merge(_run_schema(saved), saved))
+
+
 def _typed(cfg: DictConfig) -> tuple[RunConfig, dict]:
     trainer_node = cfg.get("trainer") or OmegaConf.create({})
     own = {f.name for f in dataclasses.fields(TrainerConfig)}
     trainer_kwargs = {k: v for k, v in OmegaConf.to_container(trainer_node, resolve=True).items() if k not in own}
     body = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     body["trainer"] = {k: v for k, v in (body.get("trainer") or {}).items() if k in own}
-    schema = OmegaConf.structured(RunConfig)
-    schema.dflash = OmegaConf.structured(_variant_schema(cfg.get("dflash") or OmegaConf.create({})))
     try:
-        merged = OmegaConf.merge(schema, body)
+        merged = OmegaConf.merge(_run_schema(cfg), body)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
         raise ConfigError(f"config key '{key}': {str(err).splitlines()[0]}") from None

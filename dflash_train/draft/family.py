@@ -134,3 +134,16 @@ FAMILIES: dict[str, DraftFamily] = {"block": BlockDrafts(), "mtp": MTPHeads()}
 def family_of(variant: DraftVariant) -> DraftFamily:
     """The family of ``variant``."""
     return FAMILIES[variant.family]
+
+
+def serving_lines(variant: DraftVariant, cfg, export_dir: Path, serve_target: Optional[str]) -> list[str]:
+    """How to serve ``export_dir`` (a ``variant`` draft trained with the ``dflash`` keys ``cfg``): the ``vllm
+    serve`` line, the line for vLLM's CPU build where that build serves the variant, and the variant's note."""
+    family = family_of(variant)
+    k = variant.speculative_tokens(cfg)
+    lines = ["serve: " + family.serve_command(export_dir, serve_target, k)]
+    if variant.serves_on_vllm_cpu:
+        lines.append("serve on vLLM's CPU build: " + family.serve_command(export_dir, serve_target, k, cpu=True))
+    if variant.serving_note:
+        lines.append(f"note: {variant.serving_note}")
+    return lines

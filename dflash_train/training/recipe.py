@@ -23,10 +23,11 @@ from dflash_train.config.schema import LIGHTNING_PRECISION, RunConfig
 from dflash_train.config.validate import ValidatedConfig
 from dflash_train.draft.build import DraftSpec
 from dflash_train.draft.export import full_state_dict
-from dflash_train.draft.family import family_of
-from dflash_train.errors import ConfigError
+from dflash_train.draft.family import family_of, serving_lines
+from dflash_train.errors import ConfigError, InputFileError
 from dflash_train.files import check_writable_directory
 from dflash_train.target import load_target_for_run
+from dflash_train.training.history import METRICS_DIR, keep_earlier_launch
 from dflash_train.training.module import DFlashDraftModule, ModuleSettings, OptimSettings
 from dflash_train.training.preemption import PreemptionCheckpoint
 from dflash_train.training.provenance import ProvenanceRecord, target_weights_file
@@ -51,6 +52,7 @@ class TrainSummary:
     skipped: dict[str, float]
     stopped_by: Optional[str] = None  # the signal that preempted the run (it saved a checkpoint)
     val_serving_mal: Optional[float] = None  # serving's pooled MAL at the last validation (serving validation on)
+    report_path: Optional[Path] = None  # report.md with the training curves (rank 0; training/report.py)
 
     def report(self, run: RunConfig, serve_target: Optional[str] = None) -> list[str]:
         """Readable end-of-run summary, with the exact serve command when an export exists."""
@@ -64,6 +66,8 @@ class TrainSummary:
             f"val accept_len {fmt(self.val_accept_len)} (teacher-forced), serving MAL {fmt(self.val_serving_mal)}",
             "skipped samples: " + (", ".join(f"{k} {int(v)}" for k, v in self.skipped.items() if v) or "none"),
         ]
+        if self.report_path is not None:
+            lines.append(f"report: {self.report_path} (curves of loss, teacher-forced and serving acceptance)")
         if self.stopped_by is not None:
             lines.append(
                 f"preempted by {self.stopped_by} at step {self.steps}: saved {self.run_dir / 'checkpoints' / 'last.ckpt'}; "
@@ -73,16 +77,8 @@ class TrainSummary:
         if self.export_dir is None:
             lines.append("no final export (training did not finish); resume from the last checkpoint")
             return lines
-        variant = variant_named(run.dflash.variant)
-        k = variant.speculative_tokens(run.dflash)
-        family = family_of(variant)
-        lines += [f"export: {self.export_dir}", "serve: " + family.serve_command(self.export_dir, serve_target, k)]
-        if variant.serves_on_vllm_cpu:
-            lines.append("serve on vLLM's CPU build: " + family.serve_command(self.export_dir, serve_target, k, cpu=True))
-        note = variant.serving_note
-        if note:
-            lines.append(f"note: {note}")
-        return lines
+        lines.append(f"export: {self.export_dir}")
+        return lines + serving_lines(variant_named(run.dflash.variant), run.dflash, self.export_dir, serve_target)
 
 
 def run_directory(run: RunConfig) -> Path:
@@ -187,13 +183,20 @@ class ExportOnTrainEnd(Callback):
 
 
 class LogResume(Callback):
-    """Say where a resumed run starts: global step and learning rate."""
+    """Say where a resumed run starts (global step and learning rate), and log its metrics at the right steps.
+
+    A checkpoint taken at a batch end (``every_n_train_steps``, preemption) holds Lightning's logger step
+    counter from before that batch's increment, so a resumed launch would log every metric one step
+    behind the uninterrupted run, and its first step on top of the previous launch's last one. The
+    counter counts optimizer steps, as ``global_step`` does: it is set to ``global_step`` at the start.
+    """
 
     def __init__(self, ckpt_path: Optional[Path]):
         self.ckpt_path = ckpt_path
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.ckpt_path is not None:
+            trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
             lr = trainer.optimizers[0].param_groups[0]["lr"]
             log.info("resumed from %s at global step %d, lr %.3g", self.ckpt_path, trainer.global_step, lr)
 
@@ -292,6 +295,7 @@ def _callbacks(run: RunConfig, run_dir: Path, val_every: Optional[int]) -> list[
 
 def _loggers(run: RunConfig, run_dir: Path) -> list:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from lightning.pytorch.utilities import rank_zero_only
 
     loggers = []
     em = run.exp_manager
@@ -306,7 +310,9 @@ def _loggers(run: RunConfig, run_dir: Path) -> list:
     if run.exp_manager.create_tensorboard_logger:
         loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
     if run.exp_manager.create_csv_logger:
-        loggers.append(CSVLogger(save_dir=str(run_dir), name="csv", version=""))
+        if rank_zero_only.rank == 0:  # Lightning writes the CSV on rank 0 alone
+            keep_earlier_launch(run_dir)
+        loggers.append(CSVLogger(save_dir=str(run_dir), name=METRICS_DIR, version=""))
     return loggers or False
 
 
@@ -540,4 +546,18 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
     trainer, callbacks = setup_trainer(run, trainer_kwargs, accelerator, paths, half)
 
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(paths.resume_from) if paths.resume_from else None)
-    return summarize(trainer, paths, callbacks)
+    summary = summarize(trainer, paths, callbacks)
+    if trainer.is_global_zero:
+        summary.report_path = report_after_training(paths.run_dir)
+    return summary
+
+
+def report_after_training(run_dir: Path) -> Optional[Path]:
+    """The run's ``report.md`` (all launches so far); ``None``, with a warning, when the run logged no metrics."""
+    from dflash_train.training.report import write_run_report
+
+    try:
+        return write_run_report(run_dir)
+    except InputFileError as err:
+        log.warning("no run report: %s", err)
+        return None

@@ -30,9 +30,11 @@ from dflash_train.evaluate.decoder import StopRule, proposer_for, speculative_de
 from dflash_train.evaluate.loading import default_stop_token_ids
 from dflash_train.evaluate.requests import RequestFailure, prompt_embeddings, read_requests
 from dflash_train.evaluate.session import TargetSession
+from dflash_train.progress import progress
 from dflash_train.target.base import FrozenTarget
 
 log = logging.getLogger(__name__)
+SERVING_LOG_EVERY = 100  # a log line per this many decoded records: a validation line follows anyway
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ class ServingValidation:
         k = self.settings.num_speculative_tokens
         proposer, layer_ids = proposer_for(draft, target, k)
         counters = AcceptanceCounters(k)
-        for embeds in self._own_prompts(target, rank, world_size):
+        prompts = self._own_prompts(target, rank, world_size)
+        for embeds in progress(prompts, "serving validation", total=len(prompts), every=SERVING_LOG_EVERY, transient=True):
             decoded = speculative_decode(TargetSession(target, layer_ids), proposer, embeds, self.rule)
             counters = counters + AcceptanceCounters.from_rounds(k, decoded.accepted_per_round)
         values = [counters.rounds, counters.accepted, self._failures, *counters.accepted_per_position]

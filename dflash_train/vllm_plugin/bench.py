@@ -20,9 +20,10 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from dflash_train.evaluate.requests import RequestFailure
+from dflash_train.progress import progress
 from dflash_train.vllm_plugin.acceptance import MissingCounters, SpecDecodeSnapshot
 from dflash_train.vllm_plugin.bench_report import TARGET_ONLY, Phase, ServeBenchReport, ServedConfig, ServedRequest
 from dflash_train.vllm_plugin.serving import CPU_ENGINE_ARGS, Request, shutdown_engine
@@ -65,7 +66,17 @@ def run_bench(plan: BenchPlan, requests: Sequence[Request], data_failures: Seque
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     params = SamplingParams(temperature=0.0, max_tokens=plan.max_tokens)
     configs = [replace(c) for c in plan.configs]  # copies: a refusal is recorded on the report's, not the plan's
-    phases: list[Phase] = []
+    servable = [c for c in configs if c.unservable is None]
+    total = plan.repeats * len(servable) * len(plan.concurrency)  # fewer when vLLM refuses a configuration
+    phases = list(progress(_phases(plan, configs, requests, params), "dflash-serve-bench", total=total, unit="phase",
+                           every=1))
+    references = {r.id: r.reference for r in requests}
+    return ServeBenchReport(settings, references, list(data_failures), configs, phases)
+
+
+def _phases(plan: BenchPlan, configs: Sequence[ServedConfig], requests: Sequence[Request], params) -> Iterator[Phase]:
+    """Every measured phase: per repeat, each configuration (alternating the order) on a fresh engine, warmed up,
+    at each concurrency."""
     for repeat in range(plan.repeats):
         for config in configs if repeat % 2 == 0 else list(reversed(configs)):
             if config.unservable is not None:
@@ -77,13 +88,11 @@ def run_bench(plan: BenchPlan, requests: Sequence[Request], data_failures: Seque
                 if plan.warmup:
                     _serve_phase(llm, config, requests[: plan.warmup], 1, -1, params)
                 for concurrency in plan.concurrency:
-                    phases.append(_serve_phase(llm, config, requests, concurrency, repeat, params))
-                    log.info("%s: concurrency %d, repeat %d: %.1f s", config.name, concurrency, repeat,
-                             phases[-1].seconds)
+                    phase = _serve_phase(llm, config, requests, concurrency, repeat, params)
+                    log.debug("%s: concurrency %d, repeat %d: %.1f s", config.name, concurrency, repeat, phase.seconds)
+                    yield phase
             finally:
                 shutdown_engine(llm)
-    references = {r.id: r.reference for r in requests}
-    return ServeBenchReport(settings, references, list(data_failures), configs, phases)
 
 
 def _start_engine(plan: BenchPlan, config: ServedConfig):

@@ -1,0 +1,65 @@
+"""The run report's metric history: launches joined, re-run steps replaced, one-line errors.
+
+The report of real runs is checked where those runs are: a resumed run in ``test_resume.py`` (its
+curves span both launches and equal the uninterrupted run's), serving acceptance in
+``test_serving_validation.py`` (the report's per-position table is what ``dflash-eval`` measures).
+"""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from dflash_train.cli.report import main as report_main
+from dflash_train.training.history import keep_earlier_launch, read_history
+
+LOSS, VAL = "train/dflash_loss", "val/accept_len"
+
+
+def _write_launch(run_dir, rows):
+    """One launch's ``csv/metrics.csv`` as Lightning writes it: ``step``, ``epoch`` and one column per metric."""
+    path = run_dir / "csv" / "metrics.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["epoch", "step", LOSS, VAL])
+        writer.writeheader()
+        for step, loss, val in rows:
+            writer.writerow({"epoch": 0, "step": step, LOSS: "" if loss is None else loss, VAL: "" if val is None else val})
+
+
+def test_a_resumed_launch_replaces_the_steps_it_re_ran_and_keeps_the_rest(tmp_path):
+    # launch 1 logged to step 39, its last checkpoint was at step 25; launch 2 resumed there and went on
+    _write_launch(tmp_path, [(9, 5.0, None), (19, 4.0, None), (19, None, 1.5), (29, 3.0, None), (39, 2.5, None),
+                             (39, None, 2.0)])
+    assert keep_earlier_launch(tmp_path) == tmp_path / "csv" / "metrics.launch-1.csv"
+    _write_launch(tmp_path, [(29, 3.1, None), (39, 2.6, None), (39, None, 2.1), (49, 2.2, None)])
+    history = read_history(tmp_path)
+    assert history.launches == 2 and history.launch_starts == (29,)
+    assert history.get(LOSS).steps == (9, 19, 29, 39, 49) and history.get(LOSS).values == (5.0, 4.0, 3.1, 2.6, 2.2)
+    assert history.get(VAL).steps == (19, 39) and history.get(VAL).values == (1.5, 2.1)
+
+
+def test_launches_are_kept_in_order_past_nine(tmp_path):
+    for launch in range(11):
+        _write_launch(tmp_path, [(10 * launch + 9, float(launch), None)])
+        if launch < 10:
+            keep_earlier_launch(tmp_path)
+    history = read_history(tmp_path)
+    assert history.launches == 11 and history.get(LOSS).values == tuple(float(i) for i in range(11))
+
+
+def test_a_fresh_run_keeps_nothing_aside(tmp_path):
+    assert keep_earlier_launch(tmp_path) is None and not (tmp_path / "csv").exists()
+
+
+@pytest.mark.parametrize("make", ["nothing", "empty"])
+def test_a_directory_without_metrics_is_one_line(tmp_path, capsys, make):
+    run_dir = tmp_path / "run"
+    if make == "empty":
+        run_dir.mkdir()
+    assert report_main([str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"dflash-report: error: run directory {run_dir}" if make ==
+                                                         "nothing" else f"dflash-report: error: {run_dir} holds no logged metrics")
+    assert make == "nothing" or "exp_manager.create_csv_logger=true" in err
