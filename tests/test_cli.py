@@ -85,6 +85,7 @@ def test_cli_trains_on_speech_data_and_exports(tiny_salm_dir, demo_data, tmp_pat
     assert '"num_speculative_tokens": 7' in out
     assert (run_dir / "export" / "model.safetensors").exists()
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    assert f"report: {run_dir / 'report.md'}" in out and (run_dir / "report" / "acceptance.png").is_file()
     # the console (cli/console.py): no third-party notice that needs no action, each line once
     assert [line for line in out.splitlines() if "warn" in line.lower()] == []
     assert out.count("Seed set to") == 1 and out.count("Trainable params") == 1

@@ -63,3 +63,17 @@ def test_a_directory_without_metrics_is_one_line(tmp_path, capsys, make):
     assert len(err.splitlines()) == 1 and err.startswith(f"dflash-report: error: run directory {run_dir}" if make ==
                                                          "nothing" else f"dflash-report: error: {run_dir} holds no logged metrics")
     assert make == "nothing" or "exp_manager.create_csv_logger=true" in err
+
+
+def test_a_position_never_reached_shows_as_nan_and_the_report_is_still_written(tmp_path):
+    """conditional@k is undefined (NaN) when no round accepted k-1 tokens: the CSV holds ``nan``."""
+    from dflash_train.training.report import write_run_report
+
+    path = tmp_path / "csv" / "metrics.csv"
+    path.parent.mkdir(parents=True)
+    names = ["val/serving_mal", "val/serving_acceptance@1", "val/serving_acceptance@2", "val/serving_conditional@1",
+             "val/serving_conditional@2"]
+    path.write_text("epoch,step," + ",".join(names) + "\n0,9,1.0,0.0,0.0,0.0,nan\n")
+    report = write_run_report(tmp_path).read_text()
+    assert "| 1 | 0.000 | 0.000 |" in report and "| 2 | 0.000 | nan |" in report
+    assert "No final export yet" in report and "never reached its first step" in report

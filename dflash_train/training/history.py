@@ -13,7 +13,6 @@ else: no second bookkeeping next to the logger's.
 from __future__ import annotations
 
 import csv
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -109,9 +108,7 @@ def _read_launch(path: Path) -> dict[str, list[tuple[int, float]]]:
             for name, text in row.items():
                 if name in NOT_METRICS or name is None or text in (None, ""):
                     continue
-                value = float(text)
-                if not math.isnan(value):
-                    out.setdefault(name, []).append((step, value))
+                out.setdefault(name, []).append((step, float(text)))  # NaN too: a logged "undefined"
     return out
 
 

@@ -553,11 +553,15 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
 
 
 def report_after_training(run_dir: Path) -> Optional[Path]:
-    """The run's ``report.md`` (all launches so far); ``None``, with a warning, when the run logged no metrics."""
+    """The run's ``report.md`` (all launches so far); ``None``, with a warning, when it cannot be written (the run
+    logged no metrics, a figure failed): the training and its export stand, the report is a view of them."""
     from dflash_train.training.report import write_run_report
 
     try:
         return write_run_report(run_dir)
     except InputFileError as err:
         log.warning("no run report: %s", err)
-        return None
+    except Exception as err:  # noqa: BLE001 - a report failure must not fail a finished run
+        log.warning("no run report: %s: %s (`dflash-report %s --debug` shows the traceback)", type(err).__name__,
+                    err, run_dir)
+    return None
