@@ -164,3 +164,38 @@ def test_no_load_error_recommends_turning_strictness_off(tiny_salm_dir, tmp_path
     with pytest.raises(TargetLoadError) as err:
         load_target_for_run(_run(tiny_salm_dir, f"model.init_from_checkpoint={ckpt}"))
     assert "strict=false" not in str(err.value) and "architecture" in str(err.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_checkpoint_loads_straight_into_the_compute_dtype_as_nemo_would_cast_it(tiny_salm_dir, dtype):
+    """The direct load (meta parameters, tensors cast as read) gives NeMo's FP32 load cast to ``dtype``, bit for
+    bit: every parameter and every buffer, the non-persistent ones (rotary frequencies) included."""
+    from nemo.collections.speechlm2.models import SALM
+
+    from dflash_train.config import ModelConfig
+    from dflash_train.target.salm import load_salm
+
+    direct = load_salm(ModelConfig(pretrained_name=str(tiny_salm_dir)), dtype)
+    cast = SALM.from_pretrained(str(tiny_salm_dir)).to(dtype)
+    for kind in ("named_parameters", "named_buffers"):
+        ours, theirs = dict(getattr(direct, kind)()), dict(getattr(cast, kind)())
+        assert ours.keys() == theirs.keys() and ours
+        for name, tensor in ours.items():
+            assert tensor.device.type == "cpu" and tensor.dtype == theirs[name].dtype, name
+            assert torch.equal(tensor, theirs[name]), name
+    assert {p.dtype for p in direct.parameters()} == {dtype} and not direct.training
+
+
+def test_tied_weights_load_as_one_tensor(tmp_path):
+    from nemo.collections.speechlm2.models import SALM
+
+    from dflash_train.config import ModelConfig
+    from dflash_train.target.salm import load_salm
+    from dflash_train.testing.tiny_salm import TinySALMSpec
+
+    tied_dir = build_tiny_salm(tmp_path / "tied", TinySALMSpec(tie_word_embeddings=True, lm_head_std=None))
+    assert "llm.lm_head.weight" not in load_file(str(tied_dir / "model.safetensors"))  # stored once
+    salm = load_salm(ModelConfig(pretrained_name=str(tied_dir)), torch.bfloat16)
+    assert salm.llm.lm_head.weight.data_ptr() == salm.embed_tokens.weight.data_ptr()
+    nemo = SALM.from_pretrained(str(tied_dir)).to(torch.bfloat16)
+    assert torch.equal(salm.llm.lm_head.weight, nemo.llm.lm_head.weight) and salm.embed_tokens.weight.dtype == torch.bfloat16

@@ -97,8 +97,8 @@ def torch_dtype(name: str, option: str = "--dtype") -> torch.dtype:
 def load_target(model: ModelConfig, device: str, dtype: str, perception_dtype: Optional[str] = None) -> AudioLLM:
     """The frozen speech target ``model`` names (:func:`~dflash_train.target.load.open_speech_target`) on
     ``device`` in ``dtype``; its perception in ``perception_dtype`` if given."""
-    target = open_speech_target(model)
-    target = target.to(device=torch.device(device), dtype=torch_dtype(dtype))
+    target = open_speech_target(model, torch_dtype(dtype))
+    target = target.to(device=torch.device(device))
     if perception_dtype is not None:
         target.run_perception_in(torch_dtype(perception_dtype, "--perception-dtype"))
     return target

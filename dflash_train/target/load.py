@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
 from dflash_train.config.schema import ModelConfig, RunConfig
 from dflash_train.config.validate import validate_against_target
 from dflash_train.errors import ConfigError
@@ -38,8 +40,9 @@ def is_nemotron_h_speechlm(name: str | None) -> bool:
     return name is not None and Path(name).expanduser().is_dir() and backbone_model_type(Path(name).expanduser()) == NEMOTRON_H
 
 
-def open_speech_target(model: ModelConfig) -> AudioLLM:
-    """The frozen speech target ``model`` names, loaded strictly.
+def open_speech_target(model: ModelConfig, dtype: torch.dtype = torch.float32) -> AudioLLM:
+    """The frozen speech target ``model`` names, loaded strictly, in ``dtype`` (a SALM checkpoint goes straight
+    into it; a Nemotron-H SpeechLM is loaded in FP32 and cast).
 
     A directory whose ``llm_backbone`` is Nemotron-H (``SALMAutomodel``'s, in its native names or
     HF's) becomes a :class:`~dflash_train.target.nemotron_h.NemotronHSpeechLMTarget`; every other
@@ -47,7 +50,7 @@ def open_speech_target(model: ModelConfig) -> AudioLLM:
     ``audio_locator_tag``, ``encoder_chunk_size_seconds`` and ``init_from_checkpoint`` alike.
     """
     if not is_nemotron_h_speechlm(model.pretrained_name):
-        return SALMTarget(load_salm(model))
+        return SALMTarget(load_salm(model, dtype))
     path = check_salm_checkpoint(model.pretrained_name, "model.pretrained_name")
     target = NemotronHSpeechLMTarget.from_checkpoint(path)
     require_audio_tag(model, target.audio_locator_tag)
@@ -60,11 +63,11 @@ def open_speech_target(model: ModelConfig) -> AudioLLM:
                 "set it to true"
             )
         target.load_speechlm_weights(read_state_dict(Path(model.init_from_checkpoint)), model.init_from_checkpoint)
-    return target
+    return target.to(dtype)
 
 
-def load_target_for_run(run: RunConfig) -> LoadedTarget:
-    """Check taps and mask id against the target's config files, then load and freeze the target."""
+def load_target_for_run(run: RunConfig, dtype: torch.dtype = torch.float32) -> LoadedTarget:
+    """Check taps and mask id against the target's config files, then load and freeze the target in ``dtype``."""
     from dflash_train.variants import variant_named
 
     dims = read_target_dims(run.model)
@@ -77,6 +80,6 @@ def load_target_for_run(run: RunConfig) -> LoadedTarget:
     else:
         layer_ids = list(d.target_layer_ids)
     validate_against_target(d, dims, layer_ids)
-    target = open_speech_target(run.model)
+    target = open_speech_target(run.model, dtype)
     mask_token_id = d.mask_token_id if d.mask_token_id is not None else target.default_mask_token_id()
     return LoadedTarget(target, layer_ids, mask_token_id)

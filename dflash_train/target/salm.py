@@ -134,12 +134,16 @@ def require_audio_tag(model: ModelConfig, target_tag: str) -> None:
         )
 
 
-def load_salm(model: ModelConfig) -> nn.Module:
-    """Load (``pretrained_name``) or build (``salm``) the SALM, then apply ``init_from_checkpoint``."""
+def load_salm(model: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Load (``pretrained_name``) or build (``salm``) the SALM in ``dtype``, then apply ``init_from_checkpoint``.
+
+    A checkpoint loaded strictly goes straight into ``dtype`` (:func:`_salm_assigned_in`): no FP32
+    copy of the model exists on the host at any point.
+    """
     from nemo.collections.speechlm2.models import SALM
 
     if model.salm is not None:
-        salm = SALM(dict(model.salm))
+        salm = SALM(dict(model.salm)).to(dtype)
         log.info("target: built SALM from model.salm (pretrained_weights=%s)", model.salm.get("pretrained_weights"))
     else:
         local = Path(model.pretrained_name).expanduser()
@@ -149,15 +153,16 @@ def load_salm(model: ModelConfig) -> nn.Module:
             stored = stored_tensor_names(local / WEIGHTS_FILE)
         mtp_keys = {name for name in stored if name.startswith(MTP_WEIGHT_PREFIX)}
         try:
-            # MTP heads stored beside the SALM (llm.mtp.*) are not SALM parameters: load the rest strictly.
-            salm = SALM.from_pretrained(model.pretrained_name, strict=model.init_from_checkpoint_strict and not mtp_keys)
+            if model.init_from_checkpoint_strict:
+                salm = _salm_assigned_in(dtype, model.pretrained_name).from_pretrained(model.pretrained_name)
+            else:  # missing weights keep SALM's random initialisation: built in FP32 as NeMo builds it
+                salm = SALM.from_pretrained(model.pretrained_name, strict=False).to(dtype)
         except RuntimeError as err:
             if "state_dict" not in str(err):
                 raise
             raise _mismatch(model.pretrained_name, err) from None
-        if mtp_keys and model.init_from_checkpoint_strict:
-            _check_all_but_mtp_loaded(salm, stored - mtp_keys, model.pretrained_name)
-        log.info("target: loaded SALM checkpoint %s%s", model.pretrained_name, " (MTP heads left out)" if mtp_keys else "")
+        log.info("target: loaded SALM checkpoint %s in %s%s", model.pretrained_name, str(dtype).removeprefix("torch."),
+                 " (MTP heads left out)" if mtp_keys else "")
     require_audio_tag(model, salm.audio_locator_tag)
     if model.encoder_chunk_size_seconds is not None:
         from omegaconf import open_dict
@@ -184,13 +189,92 @@ def _mismatch(name: str, detail) -> TargetLoadError:
     )
 
 
-def _check_all_but_mtp_loaded(salm: nn.Module, stored: set[str], name: str) -> None:
-    """Strictness for a checkpoint with MTP heads: every SALM parameter was among the ``stored`` tensors
-    (the file's, heads left out), and nothing else was."""
-    own = set(salm.state_dict())
-    missing, unexpected = sorted(own - stored), sorted(stored - own)
-    if missing or unexpected:
-        raise _mismatch(name, f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+def _salm_assigned_in(dtype: torch.dtype, name: str) -> type:
+    """NeMo's ``SALM`` whose ``from_pretrained`` builds the parameters without storage and then assigns the
+    checkpoint's tensors, each cast to ``dtype`` as it is read (MTP heads, ``llm.mtp.*``, left out).
+
+    NeMo's own loader builds the whole model in FP32 (random initialisation included) and copies the
+    weights in: 4 bytes a parameter plus the checkpoint, on every rank, before the recipe casts it.
+    Here parameters live on the meta device while ``SALM.__init__`` runs (accelerate's
+    ``init_empty_weights``; buffers such as the rotary frequencies and the mel filterbank are built
+    as usual), so the host holds the checkpoint's tensors in ``dtype`` and nothing else. Every
+    floating buffer then goes to ``dtype`` too, as ``.to(dtype)`` on NeMo's model would.
+    """
+    from accelerate import init_empty_weights
+    from nemo.collections.speechlm2.models import SALM
+
+    class SALMAssignedInDtype(SALM):
+        @classmethod
+        def _from_pretrained(cls, **kwargs):
+            with init_empty_weights():  # NeMo's flow: config, tokenizer, modules; weights below, outside it
+                model = super()._from_pretrained(**kwargs)
+            weights_file = getattr(model, "_weights_file", None)
+            if weights_file is None:
+                raise TargetLoadError(f"SALM checkpoint '{name}' has no {WEIGHTS_FILE}: save it with save_pretrained")
+            assign_weights(model, weights_file, dtype, name)
+            _rebuild_positional_tables(model, name)
+            return model.to(dtype).eval()
+
+        @classmethod
+        def _load_as_safetensor(cls, model, model_file, map_location, strict):
+            model._weights_file = Path(model_file)
+            return model
+
+    return SALMAssignedInDtype
+
+
+def _rebuild_positional_tables(salm: nn.Module, name: str) -> None:
+    """Rebuild what construction computed on the parameters' device (meta while it ran): NeMo's Conformer
+    encoders fill their positional-encoding table there (``set_max_audio_length``); any other tensor
+    left on the meta device is a :class:`TargetLoadError` naming it."""
+    for module in salm.modules():
+        pos_enc = getattr(module, "pos_enc", None)
+        if hasattr(module, "set_max_audio_length") and getattr(getattr(pos_enc, "pe", None), "is_meta", False):
+            del pos_enc.pe  # NeMo's extend_pe keeps a table that is long enough, so the meta one must go
+            module.set_max_audio_length(module.pos_emb_max_len)
+    left = [n for n, t in [*salm.named_parameters(), *salm.named_buffers()] if t.is_meta]
+    if left:
+        raise TargetLoadError(f"SALM checkpoint '{name}': {left[:5]} were not rebuilt after loading without FP32 "
+                              "weights; load it with model.init_from_checkpoint_strict=false (NeMo's FP32 loader)")
+
+
+def _tied_names(salm: nn.Module) -> dict[str, str]:
+    """``{LM head weight name: embedding weight name}`` when the LLM ties its output embeddings to its input
+    embeddings (``tie_word_embeddings``; SALM keeps the embedding table outside the LLM, as ``embed_tokens``;
+    HF's ``get_output_embeddings`` cannot name the head once SALM has moved the table out)."""
+    config = salm.llm.config.get_text_config()
+    if not getattr(config, "tie_word_embeddings", False):
+        return {}
+    return {"llm.lm_head.weight": "embed_tokens.weight"}  # HF's causal-LM head (its output embeddings)
+
+
+def assign_weights(salm: nn.Module, weights_file: Path, dtype: torch.dtype, name: str) -> None:
+    """Assign every tensor of ``weights_file`` but the MTP heads to ``salm`` (parameters on the meta device),
+    floating ones cast to ``dtype``; any missing, unexpected or mis-shaped name is a :class:`TargetLoadError`.
+
+    A tied LM head and embedding table are one tensor, stored under one of the two names
+    (safetensors keeps one name per shared tensor): both names get that tensor, one storage.
+    """
+    from safetensors import safe_open
+
+    own = salm.state_dict(keep_vars=True)
+    tied = _tied_names(salm)
+    with safe_open(str(weights_file), "pt") as f:
+        stored = {k for k in f.keys() if not k.startswith(MTP_WEIGHT_PREFIX)}
+        aliases = {head: embed for head, embed in tied.items() if head not in stored} | {
+            embed: head for head, embed in tied.items() if embed not in stored}
+        missing = sorted(set(own) - stored - {a for a, source in aliases.items() if source in stored})
+        unexpected = sorted(stored - set(own))
+        if missing or unexpected:
+            raise _mismatch(name, f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        state = {}
+        for key in sorted(stored):
+            tensor = f.get_tensor(key)
+            if tensor.shape != own[key].shape:
+                raise _mismatch(name, f"{key} has shape {tuple(tensor.shape)}, the model {tuple(own[key].shape)}")
+            state[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    state.update({alias: state[source] for alias, source in aliases.items() if source in state})
+    salm.load_state_dict(state, strict=True, assign=True)
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -71,6 +71,7 @@ class TinySALMSpec:
     encoder_layers: int = 1
     n_mels: int = 32
     lm_head_std: Optional[float] = 0.5  # None: keep HF's init (a target that will be trained)
+    tie_word_embeddings: bool = False  # the LM head shares the embedding table (Qwen3 up to 4B does)
     seed: int = 1234
 
 
@@ -111,7 +112,7 @@ def _qwen3_config(spec: TinySALMSpec, vocab_size: int, tok):
         num_key_value_heads=spec.num_key_value_heads,
         head_dim=spec.head_dim,
         max_position_embeddings=4096,
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,

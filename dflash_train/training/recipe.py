@@ -364,10 +364,8 @@ class RunPaths:
 
 def setup_target(run: RunConfig):
     """The frozen target (BF16 in BF16 runs), the draft's shape and its compute dtype under FSDP2."""
-    target, layer_ids, mask_token_id = load_target_for_run(run)
     half = torch.bfloat16 if run.trainer.precision.startswith("bf16") else None
-    if half is not None:
-        target.to(half)
+    target, layer_ids, mask_token_id = load_target_for_run(run, half or torch.float32)
     return target, DraftSpec(run.dflash, tuple(layer_ids), mask_token_id, target.num_layers), half
 
 
