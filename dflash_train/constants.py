@@ -41,3 +41,6 @@ def speculative_tokens(block_size: int) -> int:
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """Signals a scheduler sends before it ends a job (SLURM ``--signal``, time limit, ``scancel``, Kubernetes):
 the training process turns them into a checkpoint; its data-loading workers ignore them."""
+
+# DFLASH_VERBOSE=1 in the environment: every notice and every rank's INFO lines (dflash_train/cli/console.py).
+VERBOSE_ENV = "DFLASH_VERBOSE"

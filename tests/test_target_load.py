@@ -199,3 +199,15 @@ def test_tied_weights_load_as_one_tensor(tmp_path):
     assert salm.llm.lm_head.weight.data_ptr() == salm.embed_tokens.weight.data_ptr()
     nemo = SALM.from_pretrained(str(tied_dir)).to(torch.bfloat16)
     assert torch.equal(salm.llm.lm_head.weight, nemo.llm.lm_head.weight) and salm.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_the_hub_notice_is_dropped_unless_verbose(tiny_salm_dir, capfd, monkeypatch):
+    """huggingface_hub prints "Loading weights from local directory" on every rank: dropped; DFLASH_VERBOSE=1 keeps it."""
+    from dflash_train.config import ModelConfig
+    from dflash_train.target.salm import HUB_NOTICE, load_salm
+
+    load_salm(ModelConfig(pretrained_name=str(tiny_salm_dir)))
+    assert HUB_NOTICE not in capfd.readouterr().out
+    monkeypatch.setenv("DFLASH_VERBOSE", "1")
+    load_salm(ModelConfig(pretrained_name=str(tiny_salm_dir)))
+    assert HUB_NOTICE in capfd.readouterr().out

@@ -16,7 +16,8 @@ import re
 import warnings
 from dataclasses import dataclass
 
-VERBOSE_ENV = "DFLASH_VERBOSE"
+from dflash_train.constants import VERBOSE_ENV
+
 LOG_FORMAT = "[%(asctime)s %(name)s %(levelname)s] %(message)s"
 
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import os
 import pickle
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
 
 from dflash_train.config.schema import ModelConfig
-from dflash_train.constants import CONFIG_FILE, LLM_BACKBONE_DIR, MTP_WEIGHT_PREFIX, WEIGHTS_FILE
+from dflash_train.constants import CONFIG_FILE, LLM_BACKBONE_DIR, MTP_WEIGHT_PREFIX, VERBOSE_ENV, WEIGHTS_FILE
 from dflash_train.errors import ConfigError
 from dflash_train.files import check_safetensors, read_json_object, require_directory
 from dflash_train.target.audio import AudioLLM
@@ -153,10 +157,11 @@ def load_salm(model: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Modu
             stored = stored_tensor_names(local / WEIGHTS_FILE)
         mtp_keys = {name for name in stored if name.startswith(MTP_WEIGHT_PREFIX)}
         try:
-            if model.init_from_checkpoint_strict:
-                salm = _salm_assigned_in(dtype, model.pretrained_name).from_pretrained(model.pretrained_name)
-            else:  # missing weights keep SALM's random initialisation: built in FP32 as NeMo builds it
-                salm = SALM.from_pretrained(model.pretrained_name, strict=False).to(dtype)
+            with _without_hub_notice():
+                if model.init_from_checkpoint_strict:
+                    salm = _salm_assigned_in(dtype, model.pretrained_name).from_pretrained(model.pretrained_name)
+                else:  # missing weights keep SALM's random initialisation: built in FP32 as NeMo builds it
+                    salm = SALM.from_pretrained(model.pretrained_name, strict=False).to(dtype)
         except RuntimeError as err:
             if "state_dict" not in str(err):
                 raise
@@ -187,6 +192,27 @@ def _mismatch(name: str, detail) -> TargetLoadError:
         f"SALM checkpoint '{name}' does not match its config.json: {detail}; check the architecture settings in "
         "config.json (pretrained_llm, perception, modality adapter) against the checkpoint that wrote the weights"
     )
+
+
+HUB_NOTICE = "Loading weights from local directory"  # huggingface_hub's print() in from_pretrained
+
+
+@contextmanager
+def _without_hub_notice() -> Iterator[None]:
+    """Drop :data:`HUB_NOTICE` from what the block prints (huggingface_hub prints it with ``print``, on every
+    rank, not through a logger a filter could reach); every other line is printed as it was.
+    ``DFLASH_VERBOSE=1`` keeps it."""
+    if os.environ.get(VERBOSE_ENV) == "1":
+        yield
+        return
+    captured = io.StringIO()
+    try:
+        with redirect_stdout(captured):
+            yield
+    finally:
+        kept = [line for line in captured.getvalue().splitlines() if line != HUB_NOTICE]
+        if kept:
+            print("\n".join(kept))
 
 
 def _salm_assigned_in(dtype: torch.dtype, name: str) -> type:
