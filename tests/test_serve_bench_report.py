@@ -70,21 +70,25 @@ def _report(draft_b_tokens=(4, 5, 2), draft_b_finish="stop", engine_rounds=3, c_
     return ServeBenchReport(dict(SETTINGS, repeats=len(slowdowns)), dict(REFERENCES), [], configs, phases)
 
 
-def test_acceptance_is_pooled_over_the_completed_requests_rounds():
+def test_acceptance_is_pooled_over_every_repeats_completed_requests_rounds():
     report = _report()
+    second = report.phases_of("dflash", 1)[1]  # batching split request a's rounds differently the second time
+    second.requests[0].accepted_per_round, second.requests[0].drafted_per_round = [2], [K]
+    second.engine_counters = dict(second.engine_counters, rounds=3)
     counters = report.counters("dflash", 1)
-    # rounds: a [2, 0], b [1], c [0] -> 4 rounds, 3 accepted, accepted@1 = 2 (a's first, b's), accepted@2 = 1
-    assert (counters.rounds, counters.accepted, counters.accepted_per_position) == (4, 3, [2, 1, 0])
-    assert counters.mal == pytest.approx(1 + 3 / 4)
+    # repeat 0: a [2, 0], b [1], c [0] -> 4 rounds, 3 accepted, accepted@1 = 2 (a's first, b's), accepted@2 = 1
+    # repeat 1: a [2], b [1], c [0] -> 3 rounds, 3 accepted, accepted@1 = 2, accepted@2 = 1
+    assert (counters.rounds, counters.accepted, counters.accepted_per_position) == (7, 6, [4, 2, 0])
+    assert counters.mal == pytest.approx(1 + 6 / 7)
     summary = report.summary("dflash", 1)
-    assert summary.engine_counters_match is True and not summary.provisional
+    assert summary.engine_counters_match is True and not summary.provisional  # summed over both phases
 
 
 def test_a_failed_request_contributes_nothing_and_makes_the_row_provisional():
     report = _report(draft_b_finish="abort", engine_rounds=3)
     summary = report.summary("dflash", 1)
     counters = report.counters("dflash", 1)
-    assert (counters.rounds, counters.accepted) == (3, 2)  # b's round excluded: a [2, 0] + c [0]
+    assert (counters.rounds, counters.accepted) == (6, 4)  # b's round excluded: a [2, 0] + c [0], two repeats
     assert summary.evaluated == 2 and summary.failed_ids == ["b"]
     # the engine-wide counters (4 rounds, 3 accepted) still hold b's partial round: flagged, row provisional
     assert summary.engine_counters_match is False and summary.provisional
@@ -96,7 +100,7 @@ def test_a_rejected_request_is_failed_by_id_and_excluded():
     report = _report(c_rejected=True)
     summary = report.summary("dflash", 4)
     assert summary.failed_ids == ["c"] and summary.evaluated == 2 and summary.provisional
-    assert report.counters("dflash", 4).rounds == 3
+    assert report.counters("dflash", 4).rounds == 6  # a [2, 0] + b [1] in each of two repeats
     assert report.rerun_command().endswith("--out o --sample-id c")
 
 
@@ -179,3 +183,45 @@ def test_two_drafts_with_one_name_are_refused(tmp_path, capsys, tiny_salm_dir, d
     code = serve_bench(["--target", str(tiny_salm_dir), "--cuts", str(demo_data[1]), "--out", str(tmp_path / "o"),
                         "--draft", str(export), "--draft", str(export)])
     assert code == 2 and "two configurations are named 'dflash'" in capsys.readouterr().err
+
+
+def test_the_report_says_where_speculation_stops_paying_and_plots_throughput_against_interactivity(tmp_path):
+    report = _report()
+    # the draft's phase at concurrency 4 takes 3 s instead of 0.25 s: slower than target-only's 1 s there
+    for phase in report.phases_of("dflash", 4):
+        phase.seconds = 3.0
+    assert report.summary("dflash", 1).speedup == pytest.approx(2.0)
+    assert report.summary("dflash", 4).speedup == pytest.approx(3 / 6.75)  # 9 tokens in 3 s vs in 1 and 2 s
+    assert report.stops_paying("dflash") == 4
+    assert "- **dflash**: speculation stops paying at concurrency 4 (2.00x at 1, 0.44x at 4)" in report.markdown()
+    assert "pays at every measured concurrency (2.00x at 1, 4.00x at 4)" in _report().markdown()
+    # per user: the median request's tokens / latency; dflash at 1: a 4/0.5, b 3/0.4, c 2/0.3, both repeats
+    assert report.summary("dflash", 1).per_user_tokens_per_s == pytest.approx(7.5)
+    assert report.plot(tmp_path / "report.png").stat().st_size > 0
+
+
+def test_compare_prints_the_deltas_and_the_ids_whose_output_differs(tmp_path, capsys):
+    baseline, candidate = _report(), _report(draft_b_tokens=(4, 9, 2))
+    for phase in candidate.phases_of("dflash", 1):  # the candidate's draft accepts one more token on request c
+        phase.requests[2].accepted_per_round = [1]
+    paths = [baseline.write_json(tmp_path / "a.json"), candidate.write_json(tmp_path / "b.json")]
+    assert serve_bench(["compare", *map(str, paths)]) == 0
+    table = capsys.readouterr().out
+    # concurrency 1: baseline 4 rounds, 3 accepted (MAL 1.750); candidate 4 rounds, 4 accepted (MAL 2.000)
+    assert "| dflash | 1 | 1.750 → 2.000 (+0.250) | +0.25 +0.00 +0.00 |" in table  # accepted@1: 2/4 → 3/4
+    assert table.count("| b |") == 2 and "| target_only | 1 |" in table  # b differs at both concurrencies
+    assert "dflash2" not in table.split("\n\n")[1]  # unservable in both: not a row
+
+
+@pytest.mark.parametrize("field,change", [("max_tokens", {"max_tokens": 16}), ("dtype", {"dtype": "float32"}),
+                                          ("sample ids", None)])
+def test_compare_refuses_reports_of_different_requests_or_settings(tmp_path, capsys, field, change):
+    candidate = _report()
+    if change:
+        candidate.settings.update(change)
+    else:
+        candidate.references["d"] = "seven"
+    paths = [_report().write_json(tmp_path / "a.json"), candidate.write_json(tmp_path / "b.json")]
+    assert serve_bench(["compare", *map(str, paths)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"differ in {field} (" in err

@@ -12,6 +12,11 @@ evaluated / expected / failed / truncated requests, K and the export's training 
 
 Needs vLLM (on a GPU machine: ``pip install vllm``; on CPU the ``.venv-vllm`` test venv).
 
+``dflash-serve-bench compare A/report.json B/report.json`` prints B's deltas against A (MAL,
+acceptance per position, throughput, latency and WER per configuration and concurrency, greedy
+outputs that differ by sample id), refusing two reports of different sample ids, input, limits,
+precision, prompt or K with the differing field.
+
 Exit status: 0 measured; 2 bad arguments or inputs; 3 some requests failed (aggregates are
 provisional: the report prints the command that re-runs exactly those ids).
 """
@@ -30,7 +35,7 @@ from dflash_train.cli.console import configure_console
 from dflash_train.evaluate.arguments import UsageError, add_data_arguments, input_config
 
 EXIT_USAGE, EXIT_FAILED_REQUESTS = 2, 3
-DEFAULT_CONCURRENCY = "1,4,16"
+DEFAULT_CONCURRENCY = "1,2,4,8,16,32,64"  # a sweep: where speculation stops paying
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,6 +191,8 @@ def _run(args: argparse.Namespace) -> int:
         "limit": args.limit,
         "sample_ids": args.sample_id,
         "max_tokens": args.max_tokens,
+        "prompt_format": args.prompt_format or "qwen",
+        "system_prompt": args.system_prompt,
         "concurrency": levels,
         "repeats": args.repeats,
         "warmup": plan.warmup,
@@ -222,8 +229,33 @@ def _command_without_selection(argv: list[str]) -> list[str]:
     return kept
 
 
+def compare_main(argv: list[str]) -> int:
+    """``dflash-serve-bench compare A/report.json B/report.json``: the delta table of B against A."""
+    parser = argparse.ArgumentParser(prog="dflash-serve-bench compare",
+                                     description="Compare two dflash-serve-bench reports of the same requests.")
+    parser.add_argument("baseline", help="report.json of the baseline (A)")
+    parser.add_argument("candidate", help="report.json to compare against it (B)")
+    add_debug_argument(parser)
+    args = parser.parse_args(argv)
+    configure_console()
+
+    def compare() -> int:
+        from dflash_train.files import read_json_object
+        from dflash_train.vllm_plugin.bench_report import ServeBenchReport, compare_reports
+
+        fix = "point at a report.json that dflash-serve-bench wrote"
+        reports = [ServeBenchReport.from_dict(read_json_object(path, fix)) for path in (args.baseline, args.candidate)]
+        print(compare_reports(*reports, names=(args.baseline, args.candidate)), end="")
+        return 0
+
+    return run_command("dflash-serve-bench compare", compare, args.debug, EXIT_USAGE)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Console entry point; returns the exit status (see the module docstring)."""
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["compare"]:
+        return compare_main(given[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
     configure_console()

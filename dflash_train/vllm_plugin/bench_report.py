@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from dflash_train.errors import InputFileError
 from dflash_train.evaluate.counters import COUNTER_DEFINITIONS, AcceptanceCounters
 from dflash_train.evaluate.report import write_strict_json
 from dflash_train.evaluate.requests import RequestFailure
@@ -98,6 +99,7 @@ class Summary:
     failed_ids: list[str]
     truncated: int
     output_tokens_per_s: float
+    per_user_tokens_per_s: float  # interactivity: the median request's output tokens / its latency
     requests_per_s: float
     throughput_per_repeat: list[float]
     latency: dict[str, float]
@@ -143,20 +145,33 @@ class ServeBenchReport:
         )
 
     def counters(self, config: str, concurrency: int) -> Optional[AcceptanceCounters]:
-        """Acceptance pooled over the completed requests of the first repeat (greedy: every repeat is equal)."""
+        """Acceptance pooled over the completed requests of every repeat (greedy decoding makes the repeats'
+        tokens equal, but batching can split rounds differently, so no repeat stands for the others)."""
         spec = self.config(config)
         phases = self.phases_of(config, concurrency)
         if spec.num_speculative_tokens is None or not phases:
             return None
         counters = AcceptanceCounters(spec.num_speculative_tokens)
-        for request in phases[0].completed():
-            for drafted, accepted in zip(request.drafted_per_round or [], request.accepted_per_round or []):
-                counters.observe(drafted, accepted)
+        for phase in phases:
+            for request in phase.completed():
+                for drafted, accepted in zip(request.drafted_per_round or [], request.accepted_per_round or []):
+                    counters.observe(drafted, accepted)
         return counters
 
+    def stops_paying(self, config: str) -> Optional[int]:
+        """The lowest measured concurrency at which ``config`` serves fewer output tokens/s than target-only at
+        the same concurrency (speed-up below 1); ``None`` when it pays at every one (or nothing compares)."""
+        for concurrency in self.concurrencies:
+            if self.phases_of(config, concurrency) and self.phases_of(TARGET_ONLY, concurrency):
+                speedup = self.summary(config, concurrency).speedup
+                if speedup is not None and speedup < 1.0:
+                    return concurrency
+        return None
+
     def summary(self, config: str, concurrency: int) -> Summary:
-        """Throughput (median over repeats), latency percentiles (every repeat's completed requests),
-        acceptance, greedy equality and WER (first repeat), speed-up over target-only."""
+        """Throughput (median over repeats; per user: the median request's tokens/s), latency percentiles and
+        acceptance (every repeat's completed requests), greedy equality and WER (first repeat), speed-up over
+        target-only."""
         phases = self.phases_of(config, concurrency)
         if not phases:
             raise KeyError(f"no measurement of {config} at concurrency {concurrency}")
@@ -167,11 +182,9 @@ class ServeBenchReport:
         rps = [len(p.completed()) / p.seconds for p in phases]
         counters = self.counters(config, concurrency)
         engine_match = None
-        if counters is not None and first.engine_counters is not None:
-            engine_match = (first.engine_counters["rounds"], first.engine_counters["accepted"]) == (
-                counters.rounds,
-                counters.accepted,
-            )
+        if counters is not None and all(p.engine_counters is not None for p in phases):
+            engine_match = (sum(p.engine_counters["rounds"] for p in phases),
+                            sum(p.engine_counters["accepted"] for p in phases)) == (counters.rounds, counters.accepted)
         greedy, mismatched = None, []
         if config != TARGET_ONLY and self.phases_of(TARGET_ONLY, concurrency):
             reference = {r.id: r.token_ids for r in self.phases_of(TARGET_ONLY, concurrency)[0].completed()}
@@ -196,6 +209,8 @@ class ServeBenchReport:
             failed_ids=failed,
             truncated=sum(r.finish_reason == "length" for r in first.completed()),
             output_tokens_per_s=statistics.median(tps),
+            per_user_tokens_per_s=statistics.median([len(r.token_ids) / r.latency for r in completed if r.latency > 0])
+            if completed else float("nan"),
             requests_per_s=statistics.median(rps),
             throughput_per_repeat=tps,
             latency=_percentiles([r.latency for r in completed]),
@@ -278,10 +293,10 @@ class ServeBenchReport:
             f"{s['repeats']} repeat(s) (configurations interleaved), {s['warmup']} warm-up request(s) per engine "
             f"(not measured), engine `max_num_seqs` {s['max_num_seqs']}.",
             "",
-            "| config | export step | K | concurrency | output tok/s | req/s | speed-up | latency p50 / p90 / p99 (s) "
-            "| TTFT p50 (s) | TPOT p50 (ms) | MAL | acceptance@1..K | greedy = target | WER | evaluated / expected "
-            "| failed | truncated |",
-            "|" + "---|" * 17,
+            "| config | export step | K | concurrency | output tok/s | per-user tok/s | req/s | speed-up "
+            "| latency p50 / p90 / p99 (s) | TTFT p50 (s) | TPOT p50 (ms) | MAL | acceptance@1..K | greedy = target "
+            "| WER | evaluated / expected | failed | truncated |",
+            "|" + "---|" * 18,
         ]
         for summary in rows:
             config = self.config(summary.config)
@@ -293,7 +308,8 @@ class ServeBenchReport:
             mark = " (provisional)" if summary.provisional else ""
             lines.append(
                 f"| {summary.config}{mark} | {_fmt(config.training_step, '{}')} | {_fmt(config.num_speculative_tokens, '{}')} "
-                f"| {summary.concurrency} | {summary.output_tokens_per_s:.1f} | {summary.requests_per_s:.2f} "
+                f"| {summary.concurrency} | {summary.output_tokens_per_s:.1f} "
+                f"| {_fmt(summary.per_user_tokens_per_s, '{:.1f}')} | {summary.requests_per_s:.2f} "
                 f"| {_fmt(summary.speedup, '{:.2f}x')} | "
                 + " / ".join(_fmt(summary.latency[f"p{q}"], "{:.3f}") for q in PERCENTILES)
                 + f" | {_fmt(summary.ttft['p50'], '{:.3f}')} | {_fmt(summary.tpot['p50'] * 1e3, '{:.1f}')} | {mal} "
@@ -301,6 +317,7 @@ class ServeBenchReport:
                 f"| {summary.evaluated} / {self.expected} | {len(summary.failed_ids)} | {summary.truncated} |"
             )
         notes = [f"- **{c.name}** not served: {c.unservable}" for c in self.configs if c.unservable]
+        notes += self.pays_lines(rows)
         for summary in rows:
             if summary.mismatched_ids:
                 notes.append(f"- {summary.config} at concurrency {summary.concurrency}: output differs from "
@@ -329,6 +346,20 @@ class ServeBenchReport:
         ]
         return "\n".join(lines) + "\n"
 
+    def pays_lines(self, rows: list[Summary]) -> list[str]:
+        """Per draft: up to which concurrency speculation pays (speed-up over target-only above 1)."""
+        lines = []
+        for config in self.served():
+            speedups = [(s.concurrency, s.speedup) for s in rows if s.config == config.name and s.speedup is not None]
+            if config.name == TARGET_ONLY or not speedups:
+                continue
+            curve = ", ".join(f"{x:.2f}x at {c}" for c, x in speedups)
+            stop = self.stops_paying(config.name)
+            verdict = (f"stops paying at concurrency {stop}" if stop is not None
+                       else "pays at every measured concurrency")
+            lines.append(f"- **{config.name}**: speculation {verdict} ({curve})")
+        return lines
+
     def rerun_command(self, rows: Optional[list[Summary]] = None) -> str:
         """The command that serves exactly the failed requests again under these settings (same ids);
         ``rows``: :meth:`summaries` when the caller has them already."""
@@ -345,7 +376,7 @@ class ServeBenchReport:
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig, (acc, lat) = plt.subplots(1, 2, figsize=(13, 4.5))
+        fig, (acc, lat, curve) = plt.subplots(1, 3, figsize=(19, 4.5))
         lowest = min(self.concurrencies)
         for config in self.served():
             counters = self.counters(config.name, lowest)
@@ -366,12 +397,80 @@ class ServeBenchReport:
         lat.set_xticks(range(1, len(rows) + 1), [f"{c}\n@{n}" for c, n in rows], fontsize=8)
         lat.set(title="request latency (whiskers p1-p99)", ylabel="seconds")
         lat.grid(alpha=0.3, axis="y")
+        for config in self.served():
+            points = [s for s in self.summaries() if s.config == config.name]
+            if not points:
+                continue
+            curve.plot([s.per_user_tokens_per_s for s in points], [s.output_tokens_per_s for s in points], marker="o",
+                       label=config.name)
+            for s in points:
+                curve.annotate(str(s.concurrency), (s.per_user_tokens_per_s, s.output_tokens_per_s), fontsize=7,
+                               textcoords="offset points", xytext=(3, 3))
+        curve.set(title="throughput vs interactivity (labels: concurrency)", xlabel="per-user output tokens/s",
+                  ylabel="total output tokens/s")
+        curve.grid(alpha=0.3)
+        if curve.lines:
+            curve.legend()
         note = " (PROVISIONAL)" if self.provisional else ""
         fig.suptitle(f"dflash-serve-bench: {len(self.references)} requests, {self.settings['device']}{note}")
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+COMPARED_SETTINGS = ("input", "max_tokens", "dtype", "prompt_format", "system_prompt")
+"""Settings two reports must share to be compared (with the sample ids and each shared configuration's K)."""
+
+
+def compare_reports(a: ServeBenchReport, b: ServeBenchReport, names: tuple[str, str] = ("A", "B")) -> str:
+    """The delta table of report ``b`` against report ``a`` (a baseline and an adapted draft, say), per shared
+    configuration and concurrency: MAL, acceptance per position, throughput, latency, WER, and the sample ids
+    whose greedy output differs between the two. :class:`InputFileError` naming the first differing field when
+    the two did not serve identical sample ids, inputs, limits, precision or K."""
+    def refuse(field: str, left, right) -> InputFileError:
+        return InputFileError(f"{names[0]} and {names[1]} differ in {field} ({left!r} vs {right!r}): compare reports "
+                              "of identical sample ids, prompts, decoding limits, precision and K")
+
+    ids = [sorted([*r.references, *(f.id for f in r.data_failures)]) for r in (a, b)]
+    if ids[0] != ids[1]:
+        only = sorted(set(ids[0]) ^ set(ids[1]))
+        raise refuse("sample ids", f"{len(ids[0])} ids", f"{len(ids[1])} ids, e.g. {only[0]} in one only")
+    for key in COMPARED_SETTINGS:
+        if a.settings.get(key) != b.settings.get(key):
+            raise refuse(key, a.settings.get(key), b.settings.get(key))
+    shared = [c.name for c in a.served() if c.name in {x.name for x in b.served()}]
+    for name in shared:
+        if a.config(name).num_speculative_tokens != b.config(name).num_speculative_tokens:
+            raise refuse(f"K of {name}", a.config(name).num_speculative_tokens, b.config(name).num_speculative_tokens)
+    lines = [f"# dflash-serve-bench compare: {names[1]} against {names[0]}", "",
+             "| config | concurrency | MAL | Δ acceptance@1..K | output tok/s | latency p50 (s) | WER | greedy differs |",
+             "|---|---:|---|---|---|---|---|---|"]
+    for name in shared:
+        for concurrency in [c for c in a.concurrencies if c in b.concurrencies]:
+            if not (a.phases_of(name, concurrency) and b.phases_of(name, concurrency)):
+                continue
+            left, right = a.summary(name, concurrency), b.summary(name, concurrency)
+            mal = "—"
+            if left.acceptance and right.acceptance:
+                mal = (f"{left.acceptance['mal']:.3f} → {right.acceptance['mal']:.3f} "
+                       f"({right.acceptance['mal'] - left.acceptance['mal']:+.3f})")
+                deltas = " ".join(f"{q['acceptance'] - p['acceptance']:+.2f}" for p, q in
+                                  zip(left.acceptance["per_position"], right.acceptance["per_position"]))
+            else:
+                deltas = "—"
+            outputs = [{r.id: r.token_ids for r in x.phases_of(name, concurrency)[0].completed()} for x in (a, b)]
+            differs = sorted(i for i in outputs[0].keys() & outputs[1].keys() if outputs[0][i] != outputs[1][i])
+            lines.append(
+                f"| {name} | {concurrency} | {mal} | {deltas} | {left.output_tokens_per_s:.1f} → "
+                f"{right.output_tokens_per_s:.1f} ({_fmt(_ratio(right.output_tokens_per_s, left.output_tokens_per_s), '{:.2f}x')}) "
+                f"| {_fmt(left.latency['p50'], '{:.3f}')} → {_fmt(right.latency['p50'], '{:.3f}')} "
+                f"| {_fmt(left.wer['wer'] * 100, '{:.2f} %')} → {_fmt(right.wer['wer'] * 100, '{:.2f} %')} "
+                f"| {', '.join(differs) or 'none'} |")
+    only = sorted({c.name for c in a.served()} ^ {c.name for c in b.served()})
+    if only:
+        lines += ["", f"Served in one report only (not compared): {', '.join(only)}."]
+    return "\n".join(lines) + "\n"
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
