@@ -370,8 +370,12 @@ def setup_target(run: RunConfig):
 
 
 def setup_draft(run: RunConfig, target, spec: DraftSpec, backend: str) -> torch.nn.Module:
-    """A fresh draft shaped after the target, or the warm start ``dflash.init_from_pretrained``."""
+    """A fresh draft shaped after the target, or the warm start ``dflash.init_from_pretrained``.
+
+    The draft's initialisation is drawn from ``seed`` itself, not from whatever state loading the
+    target left the generator in: the same seed gives the same draft however the target was loaded."""
     family = family_of(spec.variant)
+    torch.manual_seed(run.seed)
     draft = family.build_draft(target, spec, backend)
     if run.dflash.init_from_pretrained:
         family.warm_start(draft, run.dflash.init_from_pretrained, spec)
