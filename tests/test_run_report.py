@@ -77,3 +77,13 @@ def test_a_position_never_reached_shows_as_nan_and_the_report_is_still_written(t
     report = write_run_report(tmp_path).read_text()
     assert "| 1 | 0.000 | 0.000 |" in report and "| 2 | 0.000 | nan |" in report
     assert "No final export yet" in report and "never reached its first step" in report
+
+
+def test_a_recipe_this_version_cannot_read_leaves_the_export_out_and_says_so(tmp_path, caplog):
+    from dflash_train.training.report import write_run_report
+
+    _write_launch(tmp_path, [(9, 5.0, None)])
+    (tmp_path / "resolved_config.yaml").write_text("dflash:\n  variant: dflash\n  a_key_of_another_version: 1\n")
+    with caplog.at_level("WARNING", logger="dflash_train.training.report"):
+        report = write_run_report(tmp_path).read_text()
+    assert "No final export yet" in report and "resolved_config.yaml cannot be read" in caplog.text

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from omegaconf.errors import OmegaConfBaseException
+
 from dflash_train.atomic import atomic_write_text
 from dflash_train.config import read_resolved_config
 from dflash_train.config.schema import RunConfig
@@ -61,7 +63,13 @@ class RunRecord:
     def read(cls, run_dir: Path) -> "RunRecord":
         """The record of ``run_dir`` as the run left it."""
         run_dir = Path(run_dir)
-        run = read_resolved_config(run_dir / RESOLVED_CONFIG_FILE) if (run_dir / RESOLVED_CONFIG_FILE).is_file() else None
+        run = None
+        if (run_dir / RESOLVED_CONFIG_FILE).is_file():
+            try:
+                run = read_resolved_config(run_dir / RESOLVED_CONFIG_FILE)
+            except (OmegaConfBaseException, ValueError) as err:  # written by another version of this project
+                log.warning("report: %s cannot be read (%s); the report has no export or serve command",
+                            run_dir / RESOLVED_CONFIG_FILE, str(err).splitlines()[0])
         info = json.loads((run_dir / RUN_INFO_FILE).read_text()) if (run_dir / RUN_INFO_FILE).is_file() else {}
         export_dir, export_step = None, None
         if run is not None:
