@@ -32,7 +32,7 @@ def test_a_resumed_launch_replaces_the_steps_it_re_ran_and_keeps_the_rest(tmp_pa
     # launch 1 logged to step 39, its last checkpoint was at step 25; launch 2 resumed there and went on
     _write_launch(tmp_path, [(9, 5.0, None), (19, 4.0, None), (19, None, 1.5), (29, 3.0, None), (39, 2.5, None),
                              (39, None, 2.0)])
-    assert keep_earlier_launch(tmp_path) == tmp_path / "csv" / "metrics.launch-1.csv"
+    assert keep_earlier_launch(tmp_path, resuming=True) == tmp_path / "csv" / "metrics.launch-1.csv"
     _write_launch(tmp_path, [(29, 3.1, None), (39, 2.6, None), (39, None, 2.1), (49, 2.2, None)])
     history = read_history(tmp_path)
     assert history.launches == 2 and history.launch_starts == (29,)
@@ -44,13 +44,24 @@ def test_launches_are_kept_in_order_past_nine(tmp_path):
     for launch in range(11):
         _write_launch(tmp_path, [(10 * launch + 9, float(launch), None)])
         if launch < 10:
-            keep_earlier_launch(tmp_path)
+            keep_earlier_launch(tmp_path, resuming=True)
     history = read_history(tmp_path)
     assert history.launches == 11 and history.get(LOSS).values == tuple(float(i) for i in range(11))
 
 
 def test_a_fresh_run_keeps_nothing_aside(tmp_path):
-    assert keep_earlier_launch(tmp_path) is None and not (tmp_path / "csv").exists()
+    assert keep_earlier_launch(tmp_path, resuming=False) is None and not (tmp_path / "csv").exists()
+
+
+def test_a_fresh_run_into_an_earlier_runs_directory_starts_its_own_history_and_deletes_nothing(tmp_path):
+    _write_launch(tmp_path, [(9, 5.0, None)])  # an earlier run's two launches
+    keep_earlier_launch(tmp_path, resuming=True)
+    _write_launch(tmp_path, [(19, 4.0, None)])
+    assert keep_earlier_launch(tmp_path, resuming=False) == tmp_path / "csv.earlier-1"
+    assert sorted(p.name for p in (tmp_path / "csv.earlier-1").iterdir()) == ["metrics.csv", "metrics.launch-1.csv"]
+    _write_launch(tmp_path, [(9, 3.0, None)])  # the fresh run's own first log step
+    history = read_history(tmp_path)
+    assert history.launches == 1 and history.get(LOSS).values == (3.0,)
 
 
 @pytest.mark.parametrize("make", ["nothing", "empty"])

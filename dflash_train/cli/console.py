@@ -46,6 +46,12 @@ KNOWN_NOTICES = (
         warning=True,
     ),
     KnownNotice(
+        "lightning.fabric.loggers.csv_logs", r"Experiment logs directory .* exists and is not empty",
+        "a resumed launch: the recipe has already moved the previous launch's metrics.csv aside "
+        "(training/history.py), so the CSV logger deletes nothing",
+        warning=True,
+    ),
+    KnownNotice(
         "transformers.configuration_utils", r"You are using a model of type `nemo_speechlm`",
         "a NeMo SpeechLM checkpoint's config.json names NeMo's own model type, not a transformers one",
     ),

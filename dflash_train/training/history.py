@@ -3,7 +3,8 @@
 Lightning's ``CSVLogger`` starts ``csv/metrics.csv`` afresh in every launch (it deletes the file it
 finds), so a resumed run would keep only its last launch's lines. Before a launch's loggers exist,
 :func:`keep_earlier_launch` moves the previous launch's file aside as ``csv/metrics.launch-<n>.csv``
-(rank 0 only; Lightning writes the CSV on rank 0 alone). :func:`read_history` joins the launches:
+(rank 0 only; Lightning writes the CSV on rank 0 alone); a fresh run into a directory holding
+another run's log moves that log aside whole (``csv.earlier-<n>``). :func:`read_history` joins the launches:
 a resume goes back to the last checkpoint, so a later launch re-runs steps an earlier one may have
 logged; for each metric the later launch's values replace the earlier's from the first step the
 later launch logged that metric at. The report (:mod:`dflash_train.training.report`) reads nothing
@@ -41,14 +42,26 @@ def earlier_launch_files(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def keep_earlier_launch(run_dir: Path) -> Optional[Path]:
-    """Move the previous launch's ``metrics.csv`` aside (as the next ``metrics.launch-<n>.csv``) before the new
-    launch's CSV logger deletes it; the kept file, or ``None`` when there is none (a fresh run)."""
-    current = metrics_directory(run_dir) / METRICS_FILE
-    if not current.is_file():
+def keep_earlier_launch(run_dir: Path, resuming: bool) -> Optional[Path]:
+    """Before a launch's CSV logger starts (it deletes the ``metrics.csv`` it finds): when ``resuming``, move the
+    previous launch's ``metrics.csv`` aside as the next ``metrics.launch-<n>.csv``; for a fresh run into a
+    directory holding an earlier run's CSV log, move that whole log aside as ``csv.earlier-<n>``, so the new
+    run's history starts empty and nothing is deleted. Returns what was moved (``None``: nothing was there)."""
+    directory = metrics_directory(run_dir)
+    current = directory / METRICS_FILE
+    if resuming:
+        if not current.is_file():
+            return None
+        kept = current.with_name(f"metrics.launch-{len(earlier_launch_files(run_dir)) + 1}.csv")
+        os.replace(current, kept)
+        return kept
+    if not directory.is_dir() or not any(directory.iterdir()):
         return None
-    kept = current.with_name(f"metrics.launch-{len(earlier_launch_files(run_dir)) + 1}.csv")
-    os.replace(current, kept)
+    n = 1
+    while directory.with_name(f"{METRICS_DIR}.earlier-{n}").exists():
+        n += 1
+    kept = directory.with_name(f"{METRICS_DIR}.earlier-{n}")
+    os.replace(directory, kept)
     return kept
 
 

@@ -293,7 +293,7 @@ def _callbacks(run: RunConfig, run_dir: Path, val_every: Optional[int]) -> list[
     return callbacks
 
 
-def _loggers(run: RunConfig, run_dir: Path) -> list:
+def _loggers(run: RunConfig, run_dir: Path, resuming: bool) -> list:
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
     from lightning.pytorch.utilities import rank_zero_only
 
@@ -311,7 +311,7 @@ def _loggers(run: RunConfig, run_dir: Path) -> list:
         loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
     if run.exp_manager.create_csv_logger:
         if rank_zero_only.rank == 0:  # Lightning writes the CSV on rank 0 alone
-            keep_earlier_launch(run_dir)
+            keep_earlier_launch(run_dir, resuming)
         loggers.append(CSVLogger(save_dir=str(run_dir), name=METRICS_DIR, version=""))
     return loggers or False
 
@@ -493,7 +493,7 @@ def setup_trainer(run: RunConfig, trainer_kwargs: dict, accelerator: str, paths:
         strategy=build_strategy(run, accelerator, trainer_kwargs),
         callbacks=_callbacks(run, paths.run_dir, val_every if isinstance(val_every, int) else None) + extra,
         plugins=_plugins(),
-        logger=_loggers(run, paths.run_dir),
+        logger=_loggers(run, paths.run_dir, resuming=paths.resume_from is not None),
         default_root_dir=str(paths.run_dir),
     )
     return trainer, RunCallbacks(preemption, exporter)
