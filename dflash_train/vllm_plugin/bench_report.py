@@ -158,15 +158,13 @@ class ServeBenchReport:
                     counters.observe(drafted, accepted)
         return counters
 
-    def stops_paying(self, config: str) -> Optional[int]:
+    def stops_paying(self, config: str, rows: Optional[list[Summary]] = None) -> Optional[int]:
         """The lowest measured concurrency at which ``config`` serves fewer output tokens/s than target-only at
-        the same concurrency (speed-up below 1); ``None`` when it pays at every one (or nothing compares)."""
-        for concurrency in self.concurrencies:
-            if self.phases_of(config, concurrency) and self.phases_of(TARGET_ONLY, concurrency):
-                speedup = self.summary(config, concurrency).speedup
-                if speedup is not None and speedup < 1.0:
-                    return concurrency
-        return None
+        the same concurrency (speed-up below 1); ``None`` when it pays at every one (or nothing compares).
+        ``rows``: :meth:`summaries` when the caller has them already."""
+        rows = self.summaries() if rows is None else rows
+        return next((s.concurrency for s in rows if s.config == config and s.speedup is not None and s.speedup < 1.0),
+                    None)
 
     def summary(self, config: str, concurrency: int) -> Summary:
         """Throughput (median over repeats; per user: the median request's tokens/s), latency percentiles and
@@ -354,7 +352,7 @@ class ServeBenchReport:
             if config.name == TARGET_ONLY or not speedups:
                 continue
             curve = ", ".join(f"{x:.2f}x at {c}" for c, x in speedups)
-            stop = self.stops_paying(config.name)
+            stop = self.stops_paying(config.name, rows)
             verdict = (f"stops paying at concurrency {stop}" if stop is not None
                        else "pays at every measured concurrency")
             lines.append(f"- **{config.name}**: speculation {verdict} ({curve})")
@@ -391,14 +389,15 @@ class ServeBenchReport:
         acc.grid(alpha=0.3)
         if acc.lines:
             acc.legend()
-        rows = [(s.config, s.concurrency) for s in self.summaries()]
+        summaries = self.summaries()
+        rows = [(s.config, s.concurrency) for s in summaries]
         data = [[r.latency for p in self.phases_of(c, n) for r in p.completed()] for c, n in rows]
         lat.boxplot(data, whis=(1, 99), showfliers=True)
         lat.set_xticks(range(1, len(rows) + 1), [f"{c}\n@{n}" for c, n in rows], fontsize=8)
         lat.set(title="request latency (whiskers p1-p99)", ylabel="seconds")
         lat.grid(alpha=0.3, axis="y")
         for config in self.served():
-            points = [s for s in self.summaries() if s.config == config.name]
+            points = [s for s in summaries if s.config == config.name]
             if not points:
                 continue
             curve.plot([s.per_user_tokens_per_s for s in points], [s.output_tokens_per_s for s in points], marker="o",
@@ -411,7 +410,7 @@ class ServeBenchReport:
         curve.grid(alpha=0.3)
         if curve.lines:
             curve.legend()
-        note = " (PROVISIONAL)" if self.provisional else ""
+        note = " (PROVISIONAL)" if any(s.provisional for s in summaries) else ""
         fig.suptitle(f"dflash-serve-bench: {len(self.references)} requests, {self.settings['device']}{note}")
         fig.tight_layout()
         fig.savefig(path, dpi=100)
