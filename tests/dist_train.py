@@ -2,7 +2,7 @@
 
 Every run trains on the same global batch of four conversations: one process takes all
 four rows, N processes take 4/N rows each. Writes the final export and, per rank, the
-last logged metrics. Flags: ``--unsupervised ROW,...`` clears the loss mask of those global
+last logged metrics and whether the target's experts were sharded. Flags: ``--unsupervised ROW,...`` clears the loss mask of those global
 rows (a rank can be left without any anchor), ``--sgd LR`` trains with plain SGD (so the
 weights show any error in the gradient's scale), ``--steps N``, ``--set KEY=VALUE`` (a recipe
 override; repeatable).
@@ -80,7 +80,10 @@ def main() -> None:
         )
     )
 
+    loaded = {}
+
     def factory(run, target):
+        loaded["target"] = target
         rows = range(rank * len(TEXTS) // world, (rank + 1) * len(TEXTS) // world)
         speech = (torch.as_tensor(audios)[list(rows)], torch.as_tensor(lens)[list(rows)])
         batch = chatml_speech_batch(target, speech, [TEXTS[i] for i in rows], repeat=2)
@@ -94,7 +97,8 @@ def main() -> None:
 
     summary = train(validated, factory)
     Path(out, f"rank{rank}.json").write_text(
-        json.dumps({"steps": summary.steps, "train_loss": summary.train_loss, "val_loss": summary.val_loss})
+        json.dumps({"steps": summary.steps, "train_loss": summary.train_loss, "val_loss": summary.val_loss,
+                    "experts_sharded": loaded["target"].experts_sharded})
     )
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any, Sequence
+import logging
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from dflash_train.target.base import TapOutput
+from dflash_train.target.expert_parallel import ForwardLockstep, expert_parallel_mesh, shard_experts
 from dflash_train.target.taps import record_taps, tap_decoder, tap_documents_apart
+
+log = logging.getLogger(__name__)
 
 RECURRENT = "linear_attention"
 """HF's ``block_type`` of a decoder block with a recurrent state (Nemotron-H's Mamba-2 blocks among them)."""
@@ -22,6 +26,8 @@ class FrozenLLM(nn.Module):
     causal LM is (:attr:`causal_lm`) and how text becomes LLM inputs (``splice_batch``);
     depth, width, LM head and the tapped forward are the LLM's.
     """
+
+    _lockstep: ForwardLockstep | None = None  # set when the experts are sharded (shard_experts)
 
     def freeze(self) -> None:
         """No parameter requires grad; eval mode."""
@@ -36,6 +42,35 @@ class FrozenLLM(nn.Module):
     @property
     def causal_lm(self) -> nn.Module:
         raise NotImplementedError
+
+    def shard_experts(self, ep_size: int) -> None:
+        """Shard the routed experts of the MoE blocks over groups of ``ep_size`` ranks (the process group is up;
+        :mod:`~dflash_train.target.expert_parallel`); every later forward is a collective of the group."""
+        device = self.embed_tokens.weight.device
+        mesh = expert_parallel_mesh(ep_size, device.type)
+        blocks = shard_experts(self.causal_lm, mesh)
+        self._lockstep = ForwardLockstep(self.decoder, mesh.get_group(), self.hidden_size)
+        log.info(
+            "target experts: %d MoE blocks sharded over %d ranks (expert group of rank %d: %s; %d of %d experts here)",
+            blocks, ep_size, torch.distributed.get_rank(), mesh.mesh.tolist(),
+            int(self.llm_config.n_routed_experts) // ep_size, int(self.llm_config.n_routed_experts),
+        )
+
+    @property
+    def experts_sharded(self) -> bool:
+        """Whether :meth:`shard_experts` ran: forwards are collectives of the expert group."""
+        return self._lockstep is not None
+
+    @contextmanager
+    def uneven_forwards(self) -> Iterator[None]:
+        """A phase in which ranks may run different numbers of forwards (decoding their own records): with sharded
+        experts the ranks of a group are kept in step (:class:`~dflash_train.target.expert_parallel.ForwardLockstep`);
+        otherwise nothing to do."""
+        if self._lockstep is None:
+            yield
+            return
+        with self._lockstep.uneven():
+            yield
 
     @property
     def llm_config(self):

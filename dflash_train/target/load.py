@@ -13,11 +13,13 @@ from dflash_train.config.schema import ModelConfig, RunConfig
 from dflash_train.config.validate import validate_against_target
 from dflash_train.errors import ConfigError
 from dflash_train.target.audio import AudioLLM
+from dflash_train.target.expert_parallel import expert_parallel_problem
 from dflash_train.target.nemotron_h import NEMOTRON_H, NemotronHSpeechLMTarget, backbone_model_type
 from dflash_train.target.salm import (
     SALMTarget,
     check_salm_checkpoint,
     load_salm,
+    llm_config_for,
     read_state_dict,
     read_target_dims,
     require_audio_tag,
@@ -66,8 +68,9 @@ def open_speech_target(model: ModelConfig, dtype: torch.dtype = torch.float32) -
     return target.to(dtype)
 
 
-def load_target_for_run(run: RunConfig, dtype: torch.dtype = torch.float32) -> LoadedTarget:
-    """Check taps and mask id against the target's config files, then load and freeze the target in ``dtype``."""
+def load_target_for_run(run: RunConfig, dtype: torch.dtype = torch.float32, world_size: int = 1) -> LoadedTarget:
+    """Check taps, mask id and expert parallelism (``world_size`` ranks) against the target's config files, then
+    load and freeze the target in ``dtype``."""
     from dflash_train.variants import variant_named
 
     dims = read_target_dims(run.model)
@@ -80,6 +83,9 @@ def load_target_for_run(run: RunConfig, dtype: torch.dtype = torch.float32) -> L
     else:
         layer_ids = list(d.target_layer_ids)
     validate_against_target(d, dims, layer_ids)
+    problem = expert_parallel_problem(run.trainer.strategy.ep_size, world_size, llm_config_for(run.model))
+    if problem:
+        raise ConfigError(problem)
     target = open_speech_target(run.model, dtype)
     mask_token_id = d.mask_token_id if d.mask_token_id is not None else target.default_mask_token_id()
     return LoadedTarget(target, layer_ids, mask_token_id)

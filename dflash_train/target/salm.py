@@ -81,7 +81,7 @@ class SALMTarget(AudioLLM):
         return str(self.salm.audio_locator_tag)
 
 
-def _llm_config_for(model: ModelConfig):
+def llm_config_for(model: ModelConfig):
     """The target LLM's HF config, read from files only (no weights are built)."""
     from transformers import AutoConfig
     from transformers.utils import cached_file
@@ -124,7 +124,7 @@ def read_target_dims(model: ModelConfig) -> TargetDims:
         if Path(name).expanduser().exists():
             check_salm_checkpoint(name, "model.pretrained_name")
     try:
-        text = _llm_config_for(model).get_text_config()
+        text = llm_config_for(model).get_text_config()
     except OSError as err:
         raise ConfigError(f"cannot read the target LLM config for model.pretrained_name='{name}': {err}") from None
     return TargetDims(int(text.num_hidden_layers), int(text.hidden_size), int(text.vocab_size))

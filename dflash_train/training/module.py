@@ -76,6 +76,7 @@ class ModuleSettings:
     fsdp_param_dtype: Optional[torch.dtype] = None  # FSDP2 compute/all-gather dtype (BF16 runs); grads reduce in FP32
     fsdp_reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (trainer.strategy.*)
     nonfinite_step_limit: int = 3  # non-finite-gradient steps in a row that stop the run
+    expert_parallel_size: int = 1  # ranks that share the target's routed experts (trainer.strategy.ep_size)
     target_fingerprint: Optional[str] = None  # SHA-256 of the target's weights file (None: built, not loaded)
     target_weights: Optional[Path] = None  # the file to fingerprint at setup: rank 0 hashes it, all ranks agree
     stable_shapes: Optional[bool] = None  # pad lengths and anchor counts to multiples (None: on for flex)
@@ -235,6 +236,8 @@ class DFlashDraftModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.target.to(self.device)
+        if self.settings.expert_parallel_size > 1 and not self.target.experts_sharded:
+            self.target.shard_experts(self.settings.expert_parallel_size)
         self._fingerprint_target()
 
     def _fingerprint_target(self) -> None:
@@ -446,7 +449,8 @@ class DFlashDraftModule(L.LightningModule):
         if miner.due(self.global_step, micro):
             copy = self.serving_copy()  # a collective: every rank mines on the same steps
             spliced = self.target.splice_batch(batch, self.spec.mask_token_id)
-            miner.mine(self.target, copy, spliced.inputs_embeds, spliced.loss_mask, batch.sample_ids)
+            with self.target.uneven_forwards():  # ranks decode different rounds
+                miner.mine(self.target, copy, spliced.inputs_embeds, spliced.loss_mask, batch.sample_ids)
         return miner.preferred(inputs.loss_mask, batch.sample_ids, self.global_step)
 
     def on_train_epoch_start(self) -> None:
@@ -626,7 +630,9 @@ class DFlashDraftModule(L.LightningModule):
         """Decode this rank's share of the serving-validation samples with an unsharded export-form copy of the
         draft and log the pooled counters (docs/training.md, "Serving acceptance during validation")."""
         started = time.perf_counter()
-        counts = serving.measure(self.target, self.serving_copy(), self.global_rank, self.trainer.world_size)
+        copy = self.serving_copy()
+        with self.target.uneven_forwards():  # ranks decode different records
+            counts = serving.measure(self.target, copy, self.global_rank, self.trainer.world_size)
         totals = all_reduce_sum(counts.to(self.device)).cpu()
         values = serving.metrics(totals, time.perf_counter() - started)
         self.log("val/serving_mal", values.pop("val/serving_mal"), prog_bar=True)

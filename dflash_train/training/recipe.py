@@ -362,10 +362,11 @@ class RunPaths:
         return cls(run_dir, export_dir if export_dir.is_absolute() else run_dir / export_dir, last, resume)
 
 
-def setup_target(run: RunConfig):
-    """The frozen target (BF16 in BF16 runs), the draft's shape and its compute dtype under FSDP2."""
+def setup_target(run: RunConfig, world_size: int = 1):
+    """The frozen target (BF16 in BF16 runs; its experts are sharded later, once the ranks are up), the draft's
+    shape and its compute dtype under FSDP2."""
     half = torch.bfloat16 if run.trainer.precision.startswith("bf16") else None
-    target, layer_ids, mask_token_id = load_target_for_run(run, half or torch.float32)
+    target, layer_ids, mask_token_id = load_target_for_run(run, half or torch.float32, world_size)
     return target, DraftSpec(run.dflash, tuple(layer_ids), mask_token_id, target.num_layers), half
 
 
@@ -405,6 +406,7 @@ def setup_module(run: RunConfig, target, draft, spec: DraftSpec, backend: str, d
         fsdp_param_dtype=half,
         fsdp_reshard_after_forward=run.trainer.strategy.reshard_after_forward,
         nonfinite_step_limit=run.dflash.nonfinite_step_limit,
+        expert_parallel_size=run.trainer.strategy.ep_size,
         target_weights=target_weights_file(run),
         serving_validation=setup_serving_validation(run, target, spec),
         serving_anchors=setup_serving_anchors(run, target, spec),
@@ -541,7 +543,7 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
         )
     L.seed_everything(run.seed, workers=True)
 
-    target, spec, half = setup_target(run)
+    target, spec, half = setup_target(run, data_parallel_size(run, trainer_kwargs))
     draft = setup_draft(run, target, spec, backend)
     datamodule = datamodule_factory(run, target)
     module = setup_module(run, target, draft, spec, backend, datamodule, half, trainer_kwargs)
