@@ -101,11 +101,12 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def load_state_exactly(module, weights: dict, source: str | Path, part: str) -> None:
+def load_state_exactly(module, weights: dict, source: str | Path, part: str, assign: bool = False) -> None:
     """Load ``weights`` into ``module`` with no key missing or left over; else one line naming the first ones.
 
     For a model assembled from a user's checkpoint (``part`` names which tensors, e.g. ``llm.*``),
-    where a partial load would run silently wrong.
+    where a partial load would run silently wrong. ``assign``: the tensors become the parameters
+    (a module built on the meta device), instead of being copied into them.
     """
     from dflash_train.errors import ConfigError
 
@@ -115,4 +116,4 @@ def load_state_exactly(module, weights: dict, source: str | Path, part: str) -> 
         raise ConfigError(
             f"{source}: the {part} weights do not match the config (missing {missing[:4]}, unexpected {unexpected[:4]})"
         )
-    module.load_state_dict(weights, strict=True)
+    module.load_state_dict(weights, strict=True, assign=assign)

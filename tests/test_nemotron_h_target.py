@@ -270,3 +270,26 @@ def test_init_from_checkpoint_reads_either_name_set_into_a_nemotron_h_target(tin
 def test_a_nemotron_h_target_with_another_audio_tag_fails_in_one_line(tiny_hybrid_dir):
     with pytest.raises(ConfigError, match=r"model.audio_locator_tag='<audio>' but the target uses '<\|audio\|>'"):
         open_speech_target(ModelConfig(pretrained_name=str(tiny_hybrid_dir), audio_locator_tag="<audio>"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_nemotron_h_target_loads_straight_into_its_dtype_as_an_fp32_build_would_cast_it(tiny_hybrid_dir, dtype):
+    """Built without weights and assigned the checkpoint's tensors cast as read: every parameter and buffer
+    bit-equal to modules built the ordinary way (random init), loaded in FP32, then cast."""
+    from nemo.collections.speechlm2.modules import AudioPerceptionModule
+    from omegaconf import DictConfig
+    from transformers import AutoConfig, NemotronHForCausalLM
+
+    from dflash_train.target.nemotron_h import hf_llm_state
+
+    weights = load_file(str(tiny_hybrid_dir / "model.safetensors"))
+    llm = NemotronHForCausalLM(AutoConfig.from_pretrained(tiny_hybrid_dir / "llm_backbone")).float()
+    llm.load_state_dict(hf_llm_state(weights), strict=True)
+    config = json.loads((tiny_hybrid_dir / "config.json").read_text())
+    perception = AudioPerceptionModule(DictConfig(config["perception"]))
+    perception.load_state_dict({k[len("perception."):]: v for k, v in weights.items() if k.startswith("perception.")})
+    target = open_speech_target(ModelConfig(pretrained_name=str(tiny_hybrid_dir)), dtype)
+    assert target.embed_tokens.weight.dtype == dtype
+    for ours, theirs in ((target.llm, llm.to(dtype)), (target.perception, perception.to(dtype))):
+        assert same_tensors({**dict(ours.named_parameters()), **dict(ours.named_buffers())},
+                            {**dict(theirs.named_parameters()), **dict(theirs.named_buffers())})

@@ -43,8 +43,8 @@ def is_nemotron_h_speechlm(name: str | None) -> bool:
 
 
 def open_speech_target(model: ModelConfig, dtype: torch.dtype = torch.float32) -> AudioLLM:
-    """The frozen speech target ``model`` names, loaded strictly, in ``dtype`` (a SALM checkpoint goes straight
-    into it; a Nemotron-H SpeechLM is loaded in FP32 and cast).
+    """The frozen speech target ``model`` names, loaded strictly, straight into ``dtype`` (no FP32 copy; NeMo's
+    own loader, FP32 then a cast, only for a SALM with ``init_from_checkpoint_strict=false``).
 
     A directory whose ``llm_backbone`` is Nemotron-H (``SALMAutomodel``'s, in its native names or
     HF's) becomes a :class:`~dflash_train.target.nemotron_h.NemotronHSpeechLMTarget`; every other
@@ -54,7 +54,7 @@ def open_speech_target(model: ModelConfig, dtype: torch.dtype = torch.float32) -
     if not is_nemotron_h_speechlm(model.pretrained_name):
         return SALMTarget(load_salm(model, dtype))
     path = check_salm_checkpoint(model.pretrained_name, "model.pretrained_name")
-    target = NemotronHSpeechLMTarget.from_checkpoint(path)
+    target = NemotronHSpeechLMTarget.from_checkpoint(path, dtype)
     require_audio_tag(model, target.audio_locator_tag)
     if model.encoder_chunk_size_seconds is not None:
         target.salm_config["encoder_chunk_size_seconds"] = model.encoder_chunk_size_seconds

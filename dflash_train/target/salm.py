@@ -238,7 +238,8 @@ def _salm_assigned_in(dtype: torch.dtype, name: str) -> type:
             if weights_file is None:
                 raise TargetLoadError(f"SALM checkpoint '{name}' has no {WEIGHTS_FILE}: save it with save_pretrained")
             assign_weights(model, weights_file, dtype, name)
-            _rebuild_positional_tables(model, name)
+            rebuild_positional_tables(model, f"SALM checkpoint '{name}'",
+                                      "load it with model.init_from_checkpoint_strict=false (NeMo's FP32 loader)")
             return model.to(dtype).eval()
 
         @classmethod
@@ -249,19 +250,19 @@ def _salm_assigned_in(dtype: torch.dtype, name: str) -> type:
     return SALMAssignedInDtype
 
 
-def _rebuild_positional_tables(salm: nn.Module, name: str) -> None:
+def rebuild_positional_tables(model: nn.Module, what: str, fix: str) -> None:
     """Rebuild what construction computed on the parameters' device (meta while it ran): NeMo's Conformer
     encoders fill their positional-encoding table there (``set_max_audio_length``); any other tensor
-    left on the meta device is a :class:`TargetLoadError` naming it."""
-    for module in salm.modules():
+    left on the meta device is a :class:`TargetLoadError` naming it (``what``: the checkpoint, ``fix``: the
+    way out)."""
+    for module in model.modules():
         pos_enc = getattr(module, "pos_enc", None)
         if hasattr(module, "set_max_audio_length") and getattr(getattr(pos_enc, "pe", None), "is_meta", False):
             del pos_enc.pe  # NeMo's extend_pe keeps a table that is long enough, so the meta one must go
             module.set_max_audio_length(module.pos_emb_max_len)
-    left = [n for n, t in [*salm.named_parameters(), *salm.named_buffers()] if t.is_meta]
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
-        raise TargetLoadError(f"SALM checkpoint '{name}': {left[:5]} were not rebuilt after loading without FP32 "
-                              "weights; load it with model.init_from_checkpoint_strict=false (NeMo's FP32 loader)")
+        raise TargetLoadError(f"{what}: {left[:5]} were not rebuilt after building the model without weights; {fix}")
 
 
 def _tied_names(salm: nn.Module) -> dict[str, str]:
