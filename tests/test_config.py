@@ -82,6 +82,7 @@ def test_dflash_group_selects_the_variant_schema():
         (["trainer.strategy.pp_size=2"], "trainer.strategy.pp_size=2 is not supported"),
         (["trainer.strategy.cp_size=4"], "trainer.strategy.cp_size=4 is not supported"),
         (["trainer.strategy.ep_size=0"], "trainer.strategy.ep_size=0 must be >= 1"),
+        (["dflash.anchor_budget=per_batch"], "dflash.anchor_budget='per_batch' is unknown; choose one of"),
         (["trainer.strategy.name=megatron"], "trainer.strategy.name='megatron' is unknown"),
         (["trainer.precision=16-mixed"], "trainer.precision='16-mixed' is not supported; use a BF16 mode"),
         (["trainer.precision=32"], "trainer.precision='32' is not supported"),

@@ -35,7 +35,7 @@ from dflash_train.config.schema import (
     TrainerConfig,
 )
 from dflash_train.errors import ConfigError
-from dflash_train.variants import VARIANTS, DFlashConfig, TargetDims, variant_named
+from dflash_train.variants import ANCHOR_BUDGETS, VARIANTS, DFlashConfig, TargetDims, variant_named
 
 # Draft-config keys the framework derives itself; `dflash.draft_model_config` may not override them.
 MANAGED_DRAFT_KEYS = (
@@ -241,6 +241,10 @@ RULES: tuple[Rule, ...] = (
         lambda run: f"dflash.loss_decay_gamma={run.dflash.loss_decay_gamma} must be > 0",
     ),
     Rule(lambda run: run.dflash.num_anchors >= 1, lambda run: f"dflash.num_anchors={run.dflash.num_anchors} must be >= 1"),
+    Rule(
+        lambda run: run.dflash.anchor_budget in ANCHOR_BUDGETS,
+        lambda run: f"dflash.anchor_budget='{run.dflash.anchor_budget}' is unknown; choose one of {list(ANCHOR_BUDGETS)}",
+    ),
     Rule(
         lambda run: run.dflash.draft_num_hidden_layers >= 1,
         lambda run: f"dflash.draft_num_hidden_layers={run.dflash.draft_num_hidden_layers} must be >= 1",

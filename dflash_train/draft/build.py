@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dflash_train.draft.anchors import anchor_coverage, documents_of, draw_anchors
 from dflash_train.draft.attention import FLEX_LENGTH_MULTIPLE, draft_attention_implementation
 from dflash_train.variants import DFlashConfig, DraftVariant, variant_for_architecture, variant_named
 
@@ -98,8 +99,8 @@ def with_stable_anchor_count(trainer_cls: type, multiple: int) -> type:
     class StableAnchorCount(trainer_cls):
         def _sample_anchor_positions(self, seq_len, loss_mask, device, doc_remaining=None):
             anchors, keep = super()._sample_anchor_positions(seq_len, loss_mask, device, doc_remaining=doc_remaining)
-            drawn = anchors.shape[1]
-            padded = min(self.num_anchors, max(2 * multiple, -(-drawn // multiple) * multiple))
+            drawn = anchors.shape[1]  # above num_anchors only with a per-document budget: never cut
+            padded = min(max(self.num_anchors, drawn), max(2 * multiple, -(-drawn // multiple) * multiple))
             if padded > drawn:
                 anchors = torch.nn.functional.pad(anchors, (0, padded - drawn))
                 keep = torch.nn.functional.pad(keep, (0, padded - drawn), value=False)
@@ -182,19 +183,64 @@ def replace_with_preferred(
     return torch.tensor(rows, dtype=anchors.dtype, device=anchors.device), keep
 
 
+def with_document_budget(trainer_cls: type) -> type:
+    """``trainer_cls`` whose packed rows draw up to ``num_anchors`` anchors per document instead of per row
+    (``dflash.anchor_budget: per_document``, :mod:`~dflash_train.draft.anchors`). Validity is the library's
+    (supervised, a whole block left in the sequence and the document); unpacked rows keep its own draw."""
+    from nemo_automodel.components.speculative.dflash import NoValidAnchorsError
+
+    class DocumentBudget(trainer_cls):
+        def _sample_anchor_positions(self, seq_len, loss_mask, device, doc_remaining=None):
+            if doc_remaining is None:
+                return super()._sample_anchor_positions(seq_len, loss_mask, device, doc_remaining=doc_remaining)
+            end = max(seq_len - self.block_size, 0) + 1
+            valid = (loss_mask[:, :end] > 0.5) & (doc_remaining[:, :end] >= self.block_size - 1)
+            anchors, keep = draw_anchors(valid, self.num_anchors, documents_of(doc_remaining)[:, :end])
+            if not bool(keep.any()):  # one read, as the library's own count
+                raise NoValidAnchorsError("No valid anchor positions in this batch (per-document budget)")
+            return anchors, keep
+
+    DocumentBudget.__name__ = DocumentBudget.__qualname__ = f"DocumentBudget{trainer_cls.__name__}"
+    return DocumentBudget
+
+
+def with_anchor_coverage(trainer_cls: type) -> type:
+    """``trainer_cls`` that keeps the coverage of its last draw (after every other rule has placed the
+    blocks) as ``anchor_coverage_sums``: :func:`~dflash_train.draft.anchors.anchor_coverage` of the
+    blocks' predicted positions (``block_size − 1`` after each anchor), a device tensor."""
+
+    class AnchorCoverage(trainer_cls):
+        anchor_coverage_sums: torch.Tensor | None = None
+
+        def _sample_anchor_positions(self, seq_len, loss_mask, device, doc_remaining=None):
+            anchors, keep = super()._sample_anchor_positions(seq_len, loss_mask, device, doc_remaining=doc_remaining)
+            supervised = loss_mask > 0.5
+            documents = documents_of(doc_remaining) if doc_remaining is not None else torch.zeros_like(
+                supervised, dtype=torch.long)
+            self.anchor_coverage_sums = anchor_coverage(anchors, keep, self.block_size - 1, supervised, documents)
+            return anchors, keep
+
+    AnchorCoverage.__name__ = AnchorCoverage.__qualname__ = f"AnchorCoverage{trainer_cls.__name__}"
+    return AnchorCoverage
+
+
 def build_trainer_core(
     draft: nn.Module, target, spec: DraftSpec, attention_backend: str, anchor_multiple: int | None = None
 ) -> nn.Module:
     """nemo_automodel's trainer core (anchors, block mask, decayed CE, metrics) around ``draft``.
 
-    Anchors may be steered towards given positions (:func:`with_preferred_anchors`, serving-aware
-    training); ``anchor_multiple`` rounds the anchor count per batch up
+    Packed rows may draw their anchors per document (:func:`with_document_budget`); anchors may be
+    steered towards given positions (:func:`with_preferred_anchors`, serving-aware training); the
+    coverage of every draw is kept (:func:`with_anchor_coverage`); ``anchor_multiple`` rounds the anchor count per batch up
     (:func:`with_stable_anchor_count`); flex runs use :func:`anchor_count_multiple`.
     """
     _, trainer_cls = spec.variant.load_classes()
+    if spec.cfg.anchor_budget == "per_document":
+        trainer_cls = with_document_budget(trainer_cls)
     trainer_cls = with_preferred_anchors(trainer_cls)
     if anchor_multiple:
         trainer_cls = with_stable_anchor_count(trainer_cls, anchor_multiple)
+    trainer_cls = with_anchor_coverage(trainer_cls)
     return trainer_cls(
         draft_model=draft,
         target_lm_head=target.lm_head,

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dflash_train.draft.anchors import anchor_coverage, documents_of, draw_anchors
 from dflash_train.draft.mtp import MTPStep
 from dflash_train.loss.head import head_cross_entropy, position_bound
 from dflash_train.target.taps import document_attention_mask
@@ -52,13 +53,6 @@ class MTPStepMetrics:
     valid_blocks: torch.Tensor
     step_correct: torch.Tensor  # [D] correct predictions per draft step
     step_tokens: torch.Tensor  # [D] supervised predictions per draft step
-
-
-def documents_of(doc_remaining: torch.Tensor) -> torch.Tensor:
-    """``[B, S]`` document index per position (``-1`` on padding), from the real tokens left in each
-    position's document: a document ends where none is left."""
-    ends = doc_remaining == 0
-    return torch.where(doc_remaining >= 0, ends.long().cumsum(dim=1) - ends.long(), -1)
 
 
 def gather_at(tensor: torch.Tensor, anchors: torch.Tensor, offset: int) -> torch.Tensor:
@@ -84,6 +78,7 @@ class MTPTrainerCore(nn.Module):
         step_weights: Sequence[float],
         num_anchors: int,
         loss_chunk_size: int = 0,
+        per_document: bool = False,
     ):
         super().__init__()
         self.loss_chunk_size = loss_chunk_size  # 0: full logits; else the chunked head (loss/head.py)
@@ -92,21 +87,19 @@ class MTPTrainerCore(nn.Module):
         object.__setattr__(self, "lm_head", target_lm_head)  # not a submodule: not trained, not checkpointed
         self.step_weights = [float(w) for w in step_weights]
         self.num_anchors = num_anchors
+        self.per_document = per_document  # dflash.anchor_budget: per_document (draft/anchors.py)
+        self.anchor_coverage_sums: torch.Tensor | None = None  # of the last draw (draft/anchors.py)
 
     @property
     def num_steps(self) -> int:
         return len(self.step_weights)
 
-    def sample_anchors(self, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Up to ``num_anchors`` valid positions per row, drawn uniformly (the caller seeds the draw), sorted;
-        ``(anchors [B, A], keep [B, A])`` with unused slots at position 0 and ``keep`` false."""
-        counts = valid.sum(dim=1)
-        drawn = max(1, min(self.num_anchors, int(counts.max())))
-        scores = torch.where(valid, torch.rand(valid.shape, device=valid.device), 2.0)
-        order = scores.argsort(dim=1)[:, :drawn]
-        keep = torch.arange(drawn, device=valid.device)[None] < counts.clamp(max=drawn)[:, None]
-        anchors = torch.where(keep, order, valid.shape[1]).sort(dim=1).values  # unused slots sort last
-        return anchors.masked_fill(~keep, 0), keep
+    def sample_anchors(self, valid: torch.Tensor, documents: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to ``num_anchors`` valid positions per row (or per document of ``documents``, with a per-document
+        budget), drawn uniformly (the caller seeds the draw), sorted; ``(anchors [B, A], keep [B, A])`` with
+        unused slots at position 0 and ``keep`` false."""
+        return draw_anchors(valid, self.num_anchors, documents if self.per_document and documents is not None else None)
 
     def draft_states(
         self, features: torch.Tensor, loss_mask: torch.Tensor, doc_remaining: torch.Tensor, embeds: torch.Tensor
@@ -120,7 +113,8 @@ class MTPTrainerCore(nn.Module):
         # step 1 at every position: entry i fuses token i+1's embedding with the target's hidden state i
         next_embeds = torch.cat([embeds[:, 1:], torch.zeros_like(embeds[:, :1])], dim=1)
         context: list[tuple[torch.Tensor, torch.Tensor]] = []
-        first_mask = document_attention_mask(documents_of(doc_remaining))  # the target's own document masking
+        documents = documents_of(doc_remaining)
+        first_mask = document_attention_mask(documents)  # the target's own document masking
 
         def attend_first(i):
             def attention(q, k, v):
@@ -131,7 +125,9 @@ class MTPTrainerCore(nn.Module):
 
         first = step(next_embeds, features.to(next_embeds.dtype), attention=attend_first)
 
-        anchors, keep = self.sample_anchors(valid_anchor_mask(loss_mask, doc_remaining, depth))
+        anchors, keep = self.sample_anchors(valid_anchor_mask(loss_mask, doc_remaining, depth), documents)
+        # a chain at p predicts the tokens p + 2 .. p + D + 1 (p + 1 is the target's bonus token)
+        self.anchor_coverage_sums = anchor_coverage(anchors + 1, keep, depth, loss_mask.bool(), documents)
         drawn = anchors.shape[1]
         outputs = [gather_at(first, anchors, 0)]
         sees_context = gather_at(first_mask[:, 0], anchors, 0)  # [B, A, S]: anchor p's row, entries j <= p of its document

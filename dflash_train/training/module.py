@@ -430,6 +430,7 @@ class DFlashDraftModule(L.LightningModule):
         inputs = self.prepare(batch)
         preferred = self._serving_anchors(batch, inputs, micro)
         metrics, sums, loss_sum = self._forward_core(inputs, self._rng_key(self.global_step, micro, 0), preferred)
+        coverage = self.core.anchor_coverage_sums if metrics is not None else None
         if metrics is None:
             self.skip_counts[SKIP_NO_ANCHOR] += 1
         # DP frameworks average gradients over ranks; the world size undoes that average.
@@ -438,7 +439,7 @@ class DFlashDraftModule(L.LightningModule):
         stepped = True
         if micro == accumulate - 1:
             stepped = self._finish_window(optimizer)
-        self._log_train(sums, metrics, inputs, started, stepped)
+        self._log_train(sums, metrics, inputs, started, stepped, coverage)
 
     def _serving_anchors(self, batch: SpeechBatch, inputs: StepInputs, micro: int) -> Optional[list[PreferredRow]]:
         """Serving-aware anchors (training/serving_anchors.py): mine this batch on due steps, then the
@@ -511,7 +512,8 @@ class DFlashDraftModule(L.LightningModule):
             scheduler.step()
         return applied
 
-    def _log_train(self, sums: torch.Tensor, metrics, inputs: StepInputs, started: float, stepped: bool) -> None:
+    def _log_train(self, sums: torch.Tensor, metrics, inputs: StepInputs, started: float, stepped: bool,
+                   coverage: Optional[torch.Tensor] = None) -> None:
         """Add this step's sums to the log window's, on the device; on a log step, log the window.
 
         Between log steps nothing is read back to the host (each read would stall it until the
@@ -519,9 +521,13 @@ class DFlashDraftModule(L.LightningModule):
         window over ranks and one read brings it back: loss, accuracy and acceptance are exact ratios
         over the window's steps, throughput is its wall-clock time (the read waits for the device, so
         the time is the device's), and the variant's own metrics are this step's, this rank's.
+        ``coverage`` is the anchor draw's ``[Σ coverage, documents, documents not reached]``
+        (draft/anchors.py; ``None`` for a placeholder step), pooled over the window's documents.
         """
         tokens_here = inputs.doc_remaining.ge(0).sum().double().reshape(1)
-        window = torch.cat([sums, tokens_here])
+        if coverage is None:
+            coverage = torch.zeros(3, dtype=torch.float64, device=self.device)
+        window = torch.cat([sums, tokens_here, coverage.to(device=self.device, dtype=torch.float64)])
         if self._log_window_started is None:
             self._log_window_started = started
         self._log_window = window if self._log_window is None else self._log_window + window
@@ -540,8 +546,9 @@ class DFlashDraftModule(L.LightningModule):
         steps, skipped = self._log_window_steps, self._log_window_skipped
         self._log_window, self._log_window_started, self._log_window_steps, self._log_window_skipped = None, now, 0, 0
         count = len(sums)
-        total, (tokens, no_anchor) = BlockStats(*summed[:count]), summed[count : count + 2]
-        data_values = summed[count + 2 : count + 2 + len(reasons)]
+        total = BlockStats(*summed[:count])
+        tokens, covered, documents, unreached, no_anchor = summed[count : count + 5]
+        data_values = summed[count + 5 : count + 5 + len(reasons)]
         values = {
             "train/dflash_loss": total.loss,
             "train/dflash_accuracy": total.accuracy,
@@ -555,9 +562,11 @@ class DFlashDraftModule(L.LightningModule):
             "train/tokens_per_second": tokens / max(elapsed, 1e-9),
             "train/step_time": elapsed / steps,
             "train/lr": self.optimizers().param_groups[0]["lr"],
+            "train/anchor_coverage": covered / max(documents, 1.0),
+            "train/documents_without_block": unreached / max(documents, 1.0),
         }
         values.update({f"data/skipped/{reason}": value for reason, value in zip(reasons, data_values)})
-        values.update({f"train/{name}": value for name, value in zip(variant, summed[count + 2 + len(reasons) :])})
+        values.update({f"train/{name}": value for name, value in zip(variant, summed[count + 5 + len(reasons) :])})
         if torch.cuda.is_available() and self.device.type == "cuda":
             values["train/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.log_dict(values, on_step=True)

@@ -8,7 +8,7 @@ Adding a variant means adding a module that subclasses
 from __future__ import annotations
 
 from dflash_train.errors import ConfigError
-from dflash_train.variants.base import DFlashConfig, DraftVariant, TargetDims
+from dflash_train.variants.base import ANCHOR_BUDGETS, DFlashConfig, DraftVariant, TargetDims
 from dflash_train.variants.dflash import DFLASH
 from dflash_train.variants.dflash2 import DFLASH2, DFlash2Config
 from dflash_train.variants.mtp import MTP_VARIANT, MTPConfig
@@ -39,6 +39,7 @@ def variant_for_architecture(architecture: str) -> DraftVariant:
 
 
 __all__ = [
+    "ANCHOR_BUDGETS",
     "ARCHITECTURE_ALIASES",
     "DFlash2Config",
     "DFlashConfig",

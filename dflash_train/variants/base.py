@@ -29,6 +29,7 @@ class DFlashConfig:
     block_size: int = 8
     loss_decay_gamma: float = 4.0
     num_anchors: int = 512
+    anchor_budget: str = "per_row"  # num_anchors per row, or per document of a packed row (draft/anchors.py)
     label_source: str = "target_argmax"
     projection_only: bool = False
     draft_num_hidden_layers: int = 6
@@ -51,6 +52,11 @@ class DFlashConfig:
     serving_anchor_fraction: float = 0.0  # share of a row's blocks at mined post-correction round starts (0: off)
     serving_anchor_every: int = 10  # steps between two minings of the current batch's round starts
     draft_model_config: dict = field(default_factory=dict)
+
+
+ANCHOR_BUDGETS = ("per_row", "per_document")
+"""``dflash.anchor_budget`` values: ``num_anchors`` per row (default) or per packed document
+(:mod:`dflash_train.draft.anchors`)."""
 
 
 class TargetDims(NamedTuple):
