@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import compose, run_launcher, tiny_run_overrides, worst_difference
+from conftest import compose, rank_log_lines, run_launcher, tiny_run_overrides, worst_difference
 from safetensors.torch import load_file
+from test_multiprocess_cli import _launch_command
 
 from dflash_train.config import validate_config
 from dflash_train.errors import ConfigError
@@ -107,9 +108,6 @@ def test_the_recipe_users_launch_trains_with_sharded_experts_through_the_cli(tin
     the recipe's defaults (FSDP2, DFlash2, BF16, 2 shuffled loader workers) against the hybrid MoE target, with
     the phases where ranks decode different numbers of requests: serving validation of 3 records (2 on one
     rank, 1 on the other) and serving-aware anchors mined every other step."""
-    from conftest import rank_log_lines
-    from test_multiprocess_cli import _launch_command
-
     train, val = demo_data
     run_dir = tmp_path / "run"
     command = _launch_command(
