@@ -88,8 +88,8 @@ def test_a_trainable_head_is_refused():
         head_cross_entropy(hidden, head, targets, weights, 4)
 
 
-def _module(tiny_salm_dir, tiny_target, variant: str, chunk: int, draft=None):
-    overrides = tiny_run_overrides(tiny_salm_dir) + [f"dflash={variant}", f"dflash.loss_chunk_size={chunk}"]
+def _module(tiny_salm_dir, tiny_target, variant: str, chunk: int, draft=None, extra: tuple = ()):
+    overrides = tiny_run_overrides(tiny_salm_dir) + [f"dflash={variant}", f"dflash.loss_chunk_size={chunk}", *extra]
     if variant == "dflash2":
         overrides += ["dflash.selector_rank=16", f"dflash.selector_top_k={tiny_target.vocab_size // 8}"]
     cfg = validate_config(compose("dflash", overrides)).run.dflash
@@ -143,3 +143,38 @@ def test_each_variants_chunked_step_equals_its_full_logits_step(tiny_salm_dir, t
 def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:
     """‖value − reference‖ / ‖reference‖: FP32 summation order moves single near-zero entries, not the tensor."""
     return float((value - reference).norm() / reference.norm().clamp_min(1e-30))
+
+
+def _weighted_module(tiny_salm_dir, tiny_target, variant: str, weights, draft):
+    overrides = [] if weights is None else [f"dflash.step_loss_weights=[{','.join(map(str, weights))}]"]
+    module, _ = _module(tiny_salm_dir, tiny_target, variant, 5, draft=draft, extra=overrides)
+    return module
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2", "mtp"])
+def test_step_loss_weights_weigh_each_draft_position(tiny_salm_dir, tiny_target, speech_batch, variant):
+    """``dflash.step_loss_weights`` (w_k per draft position k): the default decay written out as a list gives
+    the default step; and, from one-hot weightings on the same draft, batch and anchors (per-position mean
+    CE L_k over M_k supervised positions), any w gives Σ w_k·L_k·M_k / Σ w_k·M_k (DFlash, MTP: the loss is
+    that one weighted CE; DFlash2 adds its selector term, checked by the first half only)."""
+    default, draft = _module(tiny_salm_dir, tiny_target, variant, 5)
+    positions = default.spec.variant.draft_positions(default.spec.cfg)
+    batch = chatml_speech_batch(tiny_target, speech_batch, list(UTTERANCES.values()))
+    inputs = default.prepare(batch.with_placements(tiny_target.audio_locator_tag_id))
+
+    def step(weights):
+        module = default if weights == "default" else _weighted_module(tiny_salm_dir, tiny_target, variant, weights,
+                                                                        draft)
+        metrics = module.run_core(inputs, rng_key=11)
+        return float(metrics.loss), float(metrics.loss_weight)
+
+    decay = default.spec.variant.step_weights(default.spec.cfg)
+    assert step(decay) == pytest.approx(step("default"), rel=1e-6)
+    if variant == "dflash2":
+        return
+    per_position = [step([1.0 if j == k else 0.0 for j in range(positions)]) for k in range(positions)]
+    assert all(count > 0 for _, count in per_position)
+    mixed = [abs(0.5 + k * (-1) ** k) for k in range(positions)]  # 0.5, 0.5, 2.5, 2.5, 4.5, ...: not a decay
+    expected = sum(w * loss * count for w, (loss, count) in zip(mixed, per_position)) / sum(
+        w * count for w, (_, count) in zip(mixed, per_position))
+    assert step(mixed)[0] == pytest.approx(expected, rel=1e-5)

@@ -26,7 +26,8 @@ from dflash_train.data.packing import document_layout
 from dflash_train.draft.mtp import MTPStep, checkpoint_name
 from dflash_train.draft.mtp_objective import MTPTrainerCore
 from dflash_train.errors import ConfigError
-from dflash_train.variants.mtp import decayed_step_weights, valid_anchor_mask
+from dflash_train.variants.base import decayed_step_weights
+from dflash_train.variants.mtp import valid_anchor_mask
 
 TEXTS = list(UTTERANCES.values())
 BIN = Path(sys.executable).parent

@@ -241,7 +241,7 @@ def build_trainer_core(
     if anchor_multiple:
         trainer_cls = with_stable_anchor_count(trainer_cls, anchor_multiple)
     trainer_cls = with_anchor_coverage(trainer_cls)
-    return trainer_cls(
+    core = trainer_cls(
         draft_model=draft,
         target_lm_head=target.lm_head,
         target_embed_tokens=target.embed_tokens,
@@ -252,6 +252,9 @@ def build_trainer_core(
         loss_decay_gamma=spec.cfg.loss_decay_gamma,
         **spec.variant.trainer_kwargs(spec.cfg),
     )
+    if spec.cfg.step_loss_weights is not None:  # else the library's own decay, untouched
+        core.position_weights = spec.variant.step_weights(spec.cfg)
+    return core
 
 
 def warm_start(draft: nn.Module, export_dir: str, spec: DraftSpec) -> None:

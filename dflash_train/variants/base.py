@@ -8,6 +8,7 @@ branches on a variant's name (docs/development.md, Adding a draft variant).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple, Optional
 
@@ -28,6 +29,7 @@ class DFlashConfig:
     variant: str = "dflash"
     block_size: int = 8
     loss_decay_gamma: float = 4.0
+    step_loss_weights: Optional[list[float]] = None  # one loss weight per draft position; null: the decay above
     num_anchors: int = 512
     anchor_budget: str = "per_row"  # num_anchors per row, or per document of a packed row (draft/anchors.py)
     label_source: str = "target_argmax"
@@ -57,6 +59,11 @@ class DFlashConfig:
 ANCHOR_BUDGETS = ("per_row", "per_document")
 """``dflash.anchor_budget`` values: ``num_anchors`` per row (default) or per packed document
 (:mod:`dflash_train.draft.anchors`)."""
+
+
+def decayed_step_weights(num_steps: int, gamma: float) -> list[float]:
+    """``w_k = exp(-(k-1)/gamma)`` for k = 1..D: the DFlash block loss's decay over draft positions."""
+    return [math.exp(-k / gamma) for k in range(num_steps)] if gamma > 0 else [1.0] * num_steps
 
 
 class TargetDims(NamedTuple):
@@ -116,6 +123,16 @@ class DraftVariant:
         """Real tokens of its document that must follow an anchor position (DFlash: the rest of a full block)."""
         return cfg.block_size - 1
 
+    def draft_positions(self, cfg: DFlashConfig) -> int:
+        """Positions one block (chain) drafts and the loss weighs: ``block_size − 1`` for a block draft."""
+        return cfg.block_size - 1
+
+    def step_weights(self, cfg: DFlashConfig) -> list[float]:
+        """The loss weight of each draft position: ``dflash.step_loss_weights``, else ``exp(−(k−1)/γ)``."""
+        if cfg.step_loss_weights is not None:
+            return [float(w) for w in cfg.step_loss_weights]
+        return decayed_step_weights(self.draft_positions(cfg), cfg.loss_decay_gamma)
+
     def has_valid_anchor(self, cfg: DFlashConfig, loss_mask: torch.Tensor, doc_remaining: torch.Tensor) -> bool:
         """Whether a batch holds any anchor this variant trains on."""
         return bool((loss_mask & (doc_remaining >= self.block_span(cfg))).any())
@@ -141,8 +158,19 @@ class DraftVariant:
         return {}
 
     def config_problems(self, cfg: DFlashConfig) -> Iterator[str]:
-        """One message per violated rule of this variant's own keys (checked at start-up)."""
-        yield from ()
+        """One message per violated rule of this variant's keys (checked at start-up); a variant with keys of its
+        own extends it."""
+        weights, positions = cfg.step_loss_weights, self.draft_positions(cfg)
+        if weights is not None and (len(weights) != positions or min(weights) < 0 or sum(weights) <= 0):
+            yield (
+                f"dflash.step_loss_weights={list(weights)} must list {positions} non-negative weights (one per draft "
+                "position, not all zero), or be null for the decayed default"
+            )
+        if weights is not None and self.family == "block" and cfg.loss_chunk_size == 0:
+            yield (
+                "dflash.step_loss_weights with dflash.loss_chunk_size=0: the library's own loss decays by "
+                "loss_decay_gamma only; set loss_chunk_size > 0 (the default 256) or step_loss_weights=null"
+            )
 
     def target_problems(self, cfg: DFlashConfig, dims: TargetDims) -> Iterator[str]:
         """One message per key that does not fit the target's sizes."""

@@ -24,9 +24,13 @@ class ChunkedBlockLoss:
         super().__init__(*args, **kwargs)
         self.loss_chunk_size = loss_chunk_size
         self.supervised_bound: int | None = None  # the batch's supervised tokens (host), set around a forward
+        self.position_weights: list[float] | None = None  # dflash.step_loss_weights (None: the library's decay)
 
     def depth_weighted(self, mask: torch.Tensor) -> torch.Tensor:
-        """``mask [B, N, block−1]`` times the decay ``exp(−k / γ)`` of predicted position k (or the mask)."""
+        """``mask [B, N, block−1]`` times the weight of predicted position k: ``dflash.step_loss_weights``
+        when given, else the decay ``exp(−k / γ)`` (or the mask)."""
+        if self.position_weights is not None:
+            return mask * torch.tensor(self.position_weights, dtype=mask.dtype, device=mask.device)
         if self.loss_decay_gamma is None:
             return mask
         depth = torch.arange(mask.shape[-1], device=mask.device, dtype=mask.dtype)

@@ -52,6 +52,7 @@ class DFlash2(DFlash):
         return {**super().trainer_kwargs(cfg), "selector_loss_weight": cfg.selector_loss_weight}
 
     def config_problems(self, cfg: DFlash2Config):
+        yield from super().config_problems(cfg)
         for key in SHAPE_KEYS:
             if getattr(cfg, key) < 1:
                 yield f"dflash.{key}={getattr(cfg, key)} must be >= 1"

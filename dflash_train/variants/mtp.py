@@ -10,9 +10,7 @@ through the ``mtp`` draft family (:mod:`dflash_train.draft.family`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -27,7 +25,6 @@ class MTPConfig(DFlashConfig):
     num_nextn_predict_layers: int = 2
     use_repeated_layer: bool = True
     hybrid_override_pattern: str = "*"
-    step_loss_weights: Optional[list[float]] = None
 
 
 DFLASH_ONLY_KEYS = (
@@ -41,11 +38,6 @@ DFLASH_ONLY_KEYS = (
 )
 """Shared-schema keys MTP has no use for: a value other than their default is a mistake worth one line.
 (``draft_num_hidden_layers`` is ignored instead: the demo recipe sizes DFlash drafts with it.)"""
-
-
-def decayed_step_weights(num_steps: int, gamma: float) -> list[float]:
-    """``w_k = exp(-(k-1)/gamma)`` for k = 1..D: the DFlash block loss's decay over draft positions."""
-    return [math.exp(-k / gamma) for k in range(num_steps)] if gamma > 0 else [1.0] * num_steps
 
 
 def valid_anchor_mask(loss_mask: torch.Tensor, doc_remaining: torch.Tensor, num_steps: int) -> torch.Tensor:
@@ -84,12 +76,7 @@ class MTP(DraftVariant):
                 f"dflash.hybrid_override_pattern={cfg.hybrid_override_pattern!r}: the trained MTP step has attention "
                 "sublayers only ('*', e.g. '*' or '**')"
             )
-        weights = cfg.step_loss_weights
-        if weights is not None and (len(weights) != d or min(weights) < 0 or sum(weights) <= 0):
-            yield (
-                f"dflash.step_loss_weights={list(weights)} must list {d} non-negative weights (one per draft step, "
-                "not all zero), or be null for the decayed default"
-            )
+        yield from super().config_problems(cfg)
         defaults = DFlashConfig()
         for key in DFLASH_ONLY_KEYS:
             if getattr(cfg, key) != getattr(defaults, key):
@@ -103,11 +90,8 @@ class MTP(DraftVariant):
             "dflash_train.draft.mtp_objective.MTPTrainerCore (the mtp draft family)"
         )
 
-    def step_weights(self, cfg: MTPConfig) -> list[float]:
-        """The loss weight of each draft step: ``dflash.step_loss_weights``, else DFlash's decay."""
-        if cfg.step_loss_weights is not None:
-            return [float(w) for w in cfg.step_loss_weights]
-        return decayed_step_weights(cfg.num_nextn_predict_layers, cfg.loss_decay_gamma)
+    def draft_positions(self, cfg: MTPConfig) -> int:
+        return cfg.num_nextn_predict_layers
 
     def block_span(self, cfg: MTPConfig) -> int:
         return cfg.num_nextn_predict_layers + 1
