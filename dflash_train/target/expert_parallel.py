@@ -61,8 +61,9 @@ def expert_parallel_problem(ep_size: int, world_size: int, llm_config) -> str | 
 
 
 def _grouped_experts_config(llm_config):
-    """nemo_automodel's ``MoEConfig`` for a Nemotron-H MoE block's routed experts (non-gated ReLU², no bias
-    unless ``mlp_bias``); the router fields are unused by the experts and set as the model sets them."""
+    """nemo_automodel's ``MoEConfig`` for a Nemotron-H MoE block's routed experts (non-gated ReLU², no bias:
+    HF's ``NemotronHExperts`` has none whatever ``mlp_bias`` says); the router fields are unused by the experts
+    and set as the model sets them."""
     from nemo_automodel.components.moe.config import MoEConfig
 
     return MoEConfig(
@@ -80,7 +81,7 @@ def _grouped_experts_config(llm_config):
         inter_dim=llm_config.intermediate_size,
         moe_inter_dim=llm_config.moe_intermediate_size,
         norm_topk_prob=llm_config.norm_topk_prob,
-        expert_bias=bool(getattr(llm_config, "mlp_bias", False)),
+        expert_bias=False,
         expert_activation="relu2",
         moe_latent_size=getattr(llm_config, "moe_latent_size", None),
     )
@@ -92,6 +93,7 @@ class ShardedExperts(nn.Module):
 
     def __init__(self, hf_experts: nn.Module, llm_config, ep_mesh):
         super().__init__()
+        from accelerate import init_empty_weights
         from nemo_automodel.components.models.common import BackendConfig
         from nemo_automodel.components.moe.experts import GroupedExperts
         from nemo_automodel.components.moe.parallelizer import ExpertParallel
@@ -99,7 +101,7 @@ class ShardedExperts(nn.Module):
 
         backend = BackendConfig(linear="torch", rms_norm="torch", attn="sdpa", experts="torch", dispatcher="torch")
         up, down = hf_experts.up_proj, hf_experts.down_proj
-        with torch.device(up.device):
+        with init_empty_weights():  # no random expert weights: the target's own are assigned next
             grouped = GroupedExperts(_grouped_experts_config(llm_config), backend)
         grouped.gate_and_up_projs = nn.Parameter(up.detach().transpose(1, 2).contiguous(), requires_grad=False)
         grouped.down_projs = nn.Parameter(down.detach().transpose(1, 2).contiguous(), requires_grad=False)
