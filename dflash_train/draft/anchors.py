@@ -64,10 +64,9 @@ def anchor_coverage(anchors: torch.Tensor, keep: torch.Tensor, span: int, superv
     supervised position are not counted.
     """
     rows, width = supervised.shape
-    offsets = torch.arange(1, span + 1, device=anchors.device)
-    predicted = (anchors[..., None] + offsets).clamp(max=width - 1)  # [B, A, span]
-    hit = torch.zeros(rows, width + 1, dtype=torch.bool, device=anchors.device)
-    reach = torch.where(keep[..., None] & (anchors[..., None] + offsets < width), predicted, width)
+    predicted = anchors[..., None] + torch.arange(1, span + 1, device=anchors.device)  # [B, A, span]
+    hit = torch.zeros(rows, width + 1, dtype=torch.bool, device=anchors.device)  # column width: nowhere
+    reach = torch.where(keep[..., None] & (predicted < width), predicted, width)
     hit.scatter_(1, reach.reshape(rows, -1), True)
     covered = hit[:, :width] & supervised
     flat = torch.arange(rows, device=anchors.device)[:, None] * width + documents.clamp(min=0)  # < width documents
