@@ -1,6 +1,6 @@
-"""Acceptance benchmark on the reference target: teacher-forced accept_len vs serving MAL.
+"""Acceptance benchmark on the reference target: serving MAL of drafts trained alike, over seeds.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/acceptance.py [--steps 600] [--label-limit 1200] [--eval-limit 0]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/acceptance.py [--steps 600] [--seeds 42 43 44] [--variants ...]
 
 Needs the stored target (``benchmarks/reference_target``) and its synthesized corpus
 (``benchmarks/train_reference_target.py`` builds both; the corpus alone is rebuilt here when
@@ -8,16 +8,19 @@ missing). Everything it writes goes to ``benchmarks/.work/acceptance`` (git-igno
 
 1. Offline labels (the ``dflash-labels`` workflow): the target's greedy transcripts of the first
    ``--label-limit`` training utterances and of the held-out test utterances.
-2. Four drafts on one budget (``conf/demo.yaml`` with overrides, i.e. the demo's code path and its
-   scaled-down recipe: 2 draft layers, B=8, gamma 4, 32 anchors, AdamW 2e-3):
-   ``dflash`` and ``dflash2`` on the offline labels (``label_source=ground_truth`` on the labelled
-   file, validated on the labelled test set), and ``dflash2`` trained on the original transcripts
-   with ``label_source=target_argmax`` and with ``label_source=ground_truth`` (validated on the
-   original test set).
-   With ``--variants ... mtp``, MTP heads (``dflash=mtp``, D = 3 steps) on the offline labels too.
-3. All DFlash drafts through the reference speculative decoder on the same held-out utterances in
-   one pass at K = block_size - 1: pooled MAL, per-position acceptance, greedy equivalence, WER;
-   the MTP export (the target with its trained heads) at K = D and K = 2D on the same utterances.
+2. Every row of ``--variants`` trained once per seed on one budget (``conf/demo.yaml`` with overrides,
+   i.e. the demo's code path and its scaled-down recipe: 2 draft layers, B=8, gamma 4, 32 anchors,
+   AdamW 2e-3), identical data, labels, steps and K; a row differs from its baseline only in the
+   overrides named in ``VARIANTS`` (``dflash+kl``: KL distillation instead of cross-entropy,
+   ``dflash+kl_tv``: KL + TV, ``dflash2-target_argmax``: the original transcripts with
+   ``label_source=target_argmax``, ...); MTP rows train heads (``dflash=mtp``, D = 3 steps).
+3. All block drafts of every seed through the reference speculative decoder on the same held-out
+   utterances in one pass at K = block_size - 1 (pooled MAL, per-position acceptance, greedy
+   equivalence, WER); each MTP export (the target with its trained heads) at K = D and K = 2D.
+4. Per row: serving MAL, first-position acceptance, teacher-forced accept_len and serving /
+   teacher-forced as mean ± sd over the seeds (every seed's figure kept); a row ``NAME+METHOD``
+   "wins" against row ``NAME`` only when its mean MAL is higher by more than two standard errors of
+   the difference.
 
 Prints one table and writes ``results.json`` (and the full ``eval.json``).
 """
@@ -46,6 +49,9 @@ DFLASH2_SELECTOR_RANK = 32  # scaled down with the draft (recipe default 256)
 MTP_STEPS = 3  # D, the trained MTP steps (NeMo's SpeechLM MTP checkpoints train 1-3)
 
 SERVING_ANCHORS = ("dflash.serving_anchor_fraction=0.5", "dflash.serving_anchor_every=10")
+KL = ("dflash.loss_ce_weight=0", "dflash.loss_kl_weight=1")  # distillation alone (docs/training.md, Choose the loss)
+KL_TV = KL + ("dflash.loss_tv_weight=1",)
+CE_KL = ("dflash.loss_ce_weight=0.5", "dflash.loss_kl_weight=0.5")
 
 # name -> (draft variant, training data, label_source, extra recipe overrides)
 VARIANTS = {
@@ -56,8 +62,21 @@ VARIANTS = {
     "dflash2-target_argmax": ("dflash2", "original", "target_argmax", ()),
     "dflash2-ground_truth": ("dflash2", "original", "ground_truth", ()),
     "mtp": ("mtp", "offline", "ground_truth", ()),
+    "dflash+kl": ("dflash", "offline", "ground_truth", KL),
+    "dflash+kl_tv": ("dflash", "offline", "ground_truth", KL_TV),
+    "dflash+ce_kl": ("dflash", "offline", "ground_truth", CE_KL),
+    "dflash2+kl": ("dflash2", "offline", "ground_truth", KL),
+    "dflash2+kl_tv": ("dflash2", "offline", "ground_truth", KL_TV),
+    "mtp+kl": ("mtp", "offline", "ground_truth", KL),
 }
-DEFAULT_VARIANTS = ["dflash", "dflash2", "dflash2-target_argmax", "dflash2-ground_truth", "mtp"]
+DEFAULT_VARIANTS = ["dflash", "dflash+kl", "dflash+kl_tv", "dflash2", "dflash2+kl", "mtp", "mtp+kl"]
+WIN_STANDARD_ERRORS = 2.0  # a method wins when its mean beats its baseline's by more than this many SEs
+
+
+def baseline_of(name: str, names) -> str | None:
+    """The row a method row is compared with: the part of its name before ``+`` (``dflash+kl`` -> ``dflash``)."""
+    base = name.split("+")[0]
+    return base if base != name and base in names else None
 
 
 def _first_cuts(source: Path, dest: Path, count: int) -> Path:
@@ -162,28 +181,78 @@ def _fmt(value, digits: int = 2) -> str:
 
 
 def table(results: dict) -> list[str]:
-    """The benchmark table (markdown)."""
-    k = results["K"]
-    head = ("| variant | training labels | label_source | steps | train wall | teacher-forced val accept_len "
-            "| training's val serving MAL | K | serving MAL (pooled) | MAL / accept_len | greedy equal | acceptance@1..K |")
+    """The benchmark table (markdown): each row's mean ± sd over the seeds, and its verdict against its baseline."""
+    k, seeds = results["K"], results["seeds"]
+    head = ("| variant | training labels | steps | seeds | train wall | teacher-forced val accept_len "
+            "| serving MAL (mean ± sd) | per seed | acceptance@1 | serving / teacher-forced | greedy equal "
+            "| vs baseline |")
     lines = [head, "|" + "---|" * 12]
     for name, row in results["variants"].items():
-        rates = " ".join(_fmt(p["acceptance"]) for p in row["per_position"])
-        ratio = row["mal"] / row["val_accept_len"] if row["val_accept_len"] else None
+        verdict = row.get("versus")
+        versus = "—" if verdict is None else (
+            f"{verdict['difference']:+.2f} ± {verdict['standard_error']:.2f} vs {verdict['baseline']}: "
+            + ("**wins**" if verdict["wins"] else "no win"))
         lines.append(
-            f"| {name} | {row['training_data']} | {row['label_source']} | {row['steps']} | "
-            f"{row['train_wall_s']:.0f} s | {_fmt(row['val_accept_len'])} | {_fmt(row.get('val_serving_mal'))} | "
-            f"{row['K']} | {_fmt(row['mal'])} | {_fmt(ratio)} | "
-            f"{'yes' if row['greedy_equal'] else 'NO'} | {rates} |"
+            f"| {name} | {row['training_data']} | {row['steps']} | {len(row['per_seed'])} | "
+            f"{row['train_wall_s']['mean']:.0f} s | {_pm(row['val_accept_len'])} | {_pm(row['mal'])} | "
+            + " ".join(_fmt(v) for v in row["mal"]["values"]) + f" | {_pm(row['first_acceptance'])} | "
+            f"{_pm(row['serving_over_teacher_forced'])} | {'yes' if row['greedy_equal'] else 'NO'} | {versus} |"
         )
     lines.append("")
     lines.append(
-        f"DFlash drafts at K = {k}; {results['samples_evaluated']} held-out utterances, {results['rounds_note']}; "
-        f"target-only WER {100 * results['target_wer']:.1f} %, speculative WER "
-        + ", ".join(f"{n} {100 * r['wer']:.1f} %" for n, r in results["variants"].items())
-        + f"; total wall time {results['total_wall_s'] / 60:.1f} min."
+        f"Block drafts at K = {k}; seeds {', '.join(map(str, seeds))}; {results['samples_evaluated']} held-out "
+        f"utterances, {results['rounds_note']}; target-only WER {100 * results['target_wer']:.1f} %; a method wins "
+        f"when its mean serving MAL beats its baseline's by more than {WIN_STANDARD_ERRORS:g} standard errors of the "
+        f"difference; total wall time {results['total_wall_s'] / 60:.1f} min."
     )
     return lines
+
+
+def _pm(summary: dict) -> str:
+    return f"{_fmt(summary['mean'])} ± {_fmt(summary['sd'])}"
+
+
+def _summary(values: list) -> dict:
+    """Mean, sample standard deviation, standard error of the mean, and every value."""
+    values = [float(v) for v in values if v is not None]
+    if not values:
+        return {"mean": None, "sd": None, "se": None, "values": []}
+    mean = sum(values) / len(values)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return {"mean": mean, "sd": sd, "se": sd / math.sqrt(len(values)), "values": values}
+
+
+def aggregate(per_seed: dict[int, dict]) -> dict:
+    """One row over seeds: every seed's row kept, the measured figures summarised (:func:`_summary`)."""
+    rows = list(per_seed.values())
+    first = rows[0]
+    return {
+        "variant": first["variant"],
+        "label_source": first["label_source"],
+        "training_data": first["training_data"],
+        "steps": first["steps"],
+        "overrides": first["overrides"],
+        "K": first["K"],
+        "greedy_equal": all(r["greedy_equal"] for r in rows),
+        "mal": _summary([r["mal"] for r in rows]),
+        "first_acceptance": _summary([r["per_position"][0]["acceptance"] for r in rows]),
+        "val_accept_len": _summary([r["val_accept_len"] for r in rows]),
+        "val_serving_mal": _summary([r.get("val_serving_mal") for r in rows]),
+        "serving_over_teacher_forced": _summary(
+            [r["mal"] / r["val_accept_len"] for r in rows if r["val_accept_len"]]),
+        "train_wall_s": _summary([r["train_wall_s"] for r in rows]),
+        "per_seed": {str(seed): row for seed, row in per_seed.items()},
+    }
+
+
+def versus(row: dict, baseline: dict, baseline_name: str) -> dict:
+    """``row``'s mean serving MAL against ``baseline``'s: the difference, its standard error (the two means'
+    SEs combined) and whether it wins (difference > WIN_STANDARD_ERRORS · SE); per-seed differences kept."""
+    difference = row["mal"]["mean"] - baseline["mal"]["mean"]
+    error = math.sqrt(row["mal"]["se"] ** 2 + baseline["mal"]["se"] ** 2)
+    paired = [a - b for a, b in zip(row["mal"]["values"], baseline["mal"]["values"])]
+    return {"baseline": baseline_name, "difference": difference, "standard_error": error,
+            "wins": difference > WIN_STANDARD_ERRORS * error, "per_seed_differences": paired}
 
 
 def _served(row: dict, report: dict, name: str) -> dict:
@@ -195,10 +264,12 @@ def _served(row: dict, report: dict, name: str) -> dict:
     return row
 
 
-def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed: int, max_new_tokens: int,
+def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seeds: list[int], max_new_tokens: int,
         variants: list[str], work: Path, cuts: tuple[Path, Path] | None = None,
         reuse_labels: bool = False) -> dict:
-    """The whole benchmark; ``cuts`` (train, test) replaces the reference corpus (tests use a tiny one)."""
+    """The whole benchmark: every variant trained once per seed on identical data, labels, steps and K, all
+    block drafts evaluated in one pass; ``cuts`` (train, test) replaces the reference corpus (tests use a tiny
+    one)."""
     started = time.perf_counter()
     if not (target / "model.safetensors").exists():
         raise SystemExit(f"no reference target in {target}: run benchmarks/train_reference_target.py")
@@ -213,33 +284,48 @@ def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed
         offline_labels(target, test_subset, test_labels, max_new_tokens)
     labels_wall = time.perf_counter() - t0
 
-    rows = {}
-    for name in variants:
-        variant, data, label_source, extra = VARIANTS[name]
-        train, val = (train_labels, test_labels) if data == "offline" else (subset, test_subset)
-        rows[name] = train_variant(target, name, variant, label_source, train, val, work / "runs" / name, steps, seed,
-                                   extra)
-        rows[name]["training_data"] = "target's greedy (offline)" if data == "offline" else "original transcripts"
+    trained: dict[str, dict[int, dict]] = {name: {} for name in variants}
+    for seed in seeds:
+        for name in variants:
+            variant, data, label_source, extra = VARIANTS[name]
+            train, val = (train_labels, test_labels) if data == "offline" else (subset, test_subset)
+            row = train_variant(target, name, variant, label_source, train, val, work / "runs" / f"{name}-s{seed}",
+                                steps, seed, extra)
+            row["training_data"] = "target's greedy (offline)" if data == "offline" else "original transcripts"
+            trained[name][seed] = row
 
     t0 = time.perf_counter()
-    blocks = {n: r for n, r in rows.items() if r["variant"] != "mtp"}
-    report = evaluate_drafts(target, {n: r["export"] for n, r in blocks.items()}, test_subset, None, max_new_tokens,
-                             work / "eval.json") if blocks else None
+    served: dict[str, dict[int, dict]] = {}
+    blocks = {f"{n}@{seed}": r for n, rows in trained.items() for seed, r in rows.items() if r["variant"] != "mtp"}
+    report = evaluate_drafts(target, {key: r["export"] for key, r in blocks.items()}, test_subset, None,
+                             max_new_tokens, work / "eval.json") if blocks else None
     failures = len(report["failures"]) if report else 0
-    for name, row in blocks.items():
-        _served(row, report, name)
-    for name, row in [(n, r) for n, r in rows.items() if r["variant"] == "mtp"]:
-        del rows[name]  # one row per K: D and 2D
-        for label, k in (("K=D", row["trained_k"]), ("K=2D", 2 * row["trained_k"])):
-            mtp_report = evaluate_drafts(Path(row["export"]), {MTP: TARGET_MTP_HEADS}, test_subset, None,
-                                         max_new_tokens, work / f"eval-{name}-k{k}.json", num_speculative_tokens=k)
-            rows[f"{name} {label}"] = _served(dict(row), mtp_report, MTP)
-            failures += len(mtp_report["failures"])
-            report = report or mtp_report
+    for key, row in blocks.items():
+        name, seed = key.rsplit("@", 1)
+        served.setdefault(name, {})[int(seed)] = _served(row, report, key)
+    for name, rows in trained.items():
+        for seed, row in rows.items():
+            if row["variant"] != "mtp":
+                continue
+            for label, k in (("K=D", row["trained_k"]), ("K=2D", 2 * row["trained_k"])):
+                mtp_report = evaluate_drafts(Path(row["export"]), {MTP: TARGET_MTP_HEADS}, test_subset, None,
+                                             max_new_tokens, work / f"eval-{name}-s{seed}-k{k}.json",
+                                             num_speculative_tokens=k)
+                served.setdefault(f"{name} {label}", {})[seed] = _served(dict(row), mtp_report, MTP)
+                failures += len(mtp_report["failures"])
+                report = report or mtp_report
     eval_wall = time.perf_counter() - t0
-    k = max((r["K"] for r in blocks.values()), default=None)
+    rows = {name: aggregate(per_seed) for name, per_seed in served.items()}
+    for name, row in rows.items():
+        family, _, k_label = name.partition(" ")
+        base = baseline_of(family, [n.partition(" ")[0] for n in rows])
+        if base is not None:
+            base_name = f"{base} {k_label}".strip()
+            row["versus"] = versus(row, rows[base_name], base_name)
+    k = max((r["K"] for n, r in rows.items() if r["variant"] != "mtp"), default=None)
     results = {
         "K": k,
+        "seeds": list(seeds),
         "samples_evaluated": report["samples_evaluated"],
         "failures": failures,
         "rounds_note": "max_new_tokens %d, %d target-only truncations" % (
@@ -266,16 +352,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-limit", type=int, default=0,
                         help="held-out utterances evaluated (default %(default)s: all 100)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[42, 43, 44],
+                        help="every variant is trained once per seed (default %(default)s)")
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
-                        help="default: %(default)s; the +serving_anchors rows are the issue-17 ablation")
+                        help="default: %(default)s; a row NAME+METHOD is compared with row NAME")
     parser.add_argument("--work", default=str(WORK / "acceptance"), help="output directory")
     parser.add_argument("--reuse-labels", action="store_true",
                         help="keep offline labels already in --work from a run with the same target and limits")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    results = run(Path(args.target).resolve(), args.steps, args.label_limit, args.eval_limit, args.seed, args.max_new_tokens, args.variants,
-                  Path(args.work), reuse_labels=args.reuse_labels)
+    results = run(Path(args.target).resolve(), args.steps, args.label_limit, args.eval_limit, args.seeds,
+                  args.max_new_tokens, args.variants, Path(args.work), reuse_labels=args.reuse_labels)
     print("\n".join(table(results)))
     return 0 if results["failures"] == 0 and all(r["greedy_equal"] for r in results["variants"].values()) else 1
 

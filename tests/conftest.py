@@ -112,6 +112,11 @@ def worst_difference(ours: dict, ref: dict) -> float:
     return max((ours[k].float() - ref[k].float()).abs().max().item() for k in ref)
 
 
+def relative_difference(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """‖value − reference‖ / ‖reference‖: FP32 summation order moves single near-zero entries, not the tensor."""
+    return float((value - reference).norm() / reference.norm().clamp_min(1e-30))
+
+
 def same_tensors(a: dict, b: dict) -> bool:
     """Two state dicts hold the same names and bit-equal tensors; two empty dicts are an error, not a match."""
     assert a and a.keys() == b.keys(), f"compared {len(a)} against {len(b)} tensors: {sorted(set(a) ^ set(b))[:5]}"

@@ -1,6 +1,6 @@
 """The chunked LM head + cross-entropy (``dflash.loss_chunk_size``): equal to the full-logits loss it replaces.
 
-``head_cross_entropy`` against cross-entropy written out here; each variant's chunked step against the same
+``chunked_head_loss`` against cross-entropy written out here; each variant's chunked step against the same
 step with ``loss_chunk_size=0`` (nemo_automodel's own loss for DFlash / DFlash2, the full-logits MTP loss):
 loss, statistics and every draft gradient. The memory it saves is measured by
 ``benchmarks/loss_memory.py`` (docs/benchmarks.md), not here.
@@ -13,12 +13,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import UTTERANCES, chatml_speech_batch, compose, tiny_run_overrides
+from conftest import UTTERANCES, chatml_speech_batch, compose, relative_difference, tiny_run_overrides
 
 from dflash_train.config import validate_config
 from dflash_train.draft import DraftSpec
 from dflash_train.draft.family import family_of
-from dflash_train.loss.head import head_cross_entropy, logits_at
+from dflash_train.loss.head import chunked_head_loss, logits_at
 from dflash_train.training.module import DFlashDraftModule, ModuleSettings
 
 VOCAB, HIDDEN = 97, 16
@@ -48,20 +48,21 @@ def _direct(head, hidden, targets, weights, multiplier, softcap):
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
 @pytest.mark.parametrize("multiplier, softcap", [(1.0, None), (0.5, 3.0)])
 @pytest.mark.parametrize("bound", [None, "shape"])
-def test_head_cross_entropy_equals_the_full_logits_computation(chunk, multiplier, softcap, bound):
+def test_chunked_head_loss_equals_the_full_logits_computation(chunk, multiplier, softcap, bound):
     """Picking the supervised rows by their count read back, or into a host bound of slots (the trainer
     cores' way: the leftover slots run with zero weight and must not leak into loss, gradient or outputs)."""
     head, hidden, targets, weights = _case()
     expected, logits = _direct(head, hidden, targets, weights, multiplier, softcap)
     (expected_grad,) = torch.autograd.grad(expected, hidden)
 
-    result = head_cross_entropy(
+    result = chunked_head_loss(
         hidden, head, targets, weights, chunk, top_k=5, multiplier=multiplier, softcap=softcap,
         max_positions=None if bound is None else weights.numel(),
     )
-    (grad,) = torch.autograd.grad(2.0 * result.weighted_nll, hidden)  # the incoming gradient scales it
+    (grad,) = torch.autograd.grad(2.0 * result.weighted_loss, hidden)  # the incoming gradient scales it
 
-    torch.testing.assert_close(result.weighted_nll, expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(result.weighted_loss, expected, rtol=1e-5, atol=0)
+    assert torch.equal(result.weighted_nll, result.weighted_loss.detach())  # cross-entropy alone: the same sum
     torch.testing.assert_close(grad, 2.0 * expected_grad, rtol=1e-5, atol=1e-6)
     assert (grad[weights == 0] == 0).all()  # unsupervised positions never reach the head
     used = weights > 0
@@ -77,7 +78,7 @@ def test_positions_choose_what_is_projected_even_at_weight_zero():
     """MTP counts a supervised step whose weight is 0 in its statistics: ``positions`` keeps it projected."""
     head, hidden, targets, weights = _case(1)
     positions = torch.ones_like(weights, dtype=torch.bool)
-    result = head_cross_entropy(hidden, head, targets, weights, 4, positions=positions)
+    result = chunked_head_loss(hidden, head, targets, weights, 4, positions=positions)
     assert torch.equal(result.predictions, head(hidden).argmax(dim=-1))
 
 
@@ -85,7 +86,7 @@ def test_a_trainable_head_is_refused():
     head, hidden, targets, weights = _case()
     head.requires_grad_(True)
     with pytest.raises(ValueError, match="must be frozen"):
-        head_cross_entropy(hidden, head, targets, weights, 4)
+        chunked_head_loss(hidden, head, targets, weights, 4)
 
 
 def _module(tiny_salm_dir, tiny_target, variant: str, chunk: int, draft=None, extra: tuple = ()):
@@ -135,14 +136,9 @@ def test_each_variants_chunked_step_equals_its_full_logits_step(tiny_salm_dir, t
             torch.testing.assert_close(got.detach().to(want.dtype), want.detach(), rtol=1e-5, atol=1e-7,
                                        msg=lambda m, field=field: f"{field}: {m}")
     assert grads.keys() == expected_grads.keys() and len(grads) > 3
-    worst = max((_relative(grad, expected_grads[name]), name) for name, grad in grads.items())
+    worst = max((relative_difference(grad, expected_grads[name]), name) for name, grad in grads.items())
     print(f"{variant}: worst gradient difference {worst[0]:.1e} relative ({worst[1]})")
     assert worst[0] <= 1e-5, worst
-
-
-def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:
-    """‖value − reference‖ / ‖reference‖: FP32 summation order moves single near-zero entries, not the tensor."""
-    return float((value - reference).norm() / reference.norm().clamp_min(1e-30))
 
 
 def _weighted_module(tiny_salm_dir, tiny_target, variant: str, weights, draft):

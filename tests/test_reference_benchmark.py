@@ -84,23 +84,54 @@ def test_stored_target_listens_to_the_audio(bench, held_out, tmp_path):
 
 
 def test_acceptance_benchmark_smallest_configuration_runs(bench, tmp_path):
+    """Two seeds, a method row against its baseline, MTP at K = D and 2D: every seed's figures kept, the summary
+    computed from them, the verdict from the summaries."""
     from dflash_train.testing.demo_data import varied_sentences, write_demo_data
 
     _, acceptance = bench
     train, test = write_demo_data(tmp_path / "data", 10, 2, jobs=1, sentences=varied_sentences(10))
     results = acceptance.run(
-        TARGET, steps=2, label_limit=8, eval_limit=None, seed=0, max_new_tokens=24,
-        variants=["dflash", "dflash2", "mtp"], work=tmp_path / "work", cuts=(train, test),
+        TARGET, steps=2, label_limit=8, eval_limit=None, seeds=[0, 1], max_new_tokens=24,
+        variants=["dflash", "dflash+kl", "mtp"], work=tmp_path / "work", cuts=(train, test),
     )
     assert results["K"] == 7 and results["failures"] == 0 and results["samples_evaluated"] == 2
-    assert list(results["variants"]) == ["dflash", "dflash2", "mtp K=D", "mtp K=2D"]
+    assert list(results["variants"]) == ["dflash", "dflash+kl", "mtp K=D", "mtp K=2D"]
     for row in results["variants"].values():
-        assert row["steps"] == 2 and row["greedy_equal"]
-        accepted = [p["accepted"] for p in row["per_position"]]  # position k is accepted only after 1..k-1
-        assert len(accepted) == row["K"] and all(later <= earlier for earlier, later in zip(accepted, accepted[1:]))
-        assert accepted[0] <= row["rounds"] and row["mal"] == pytest.approx(1 + sum(accepted) / row["rounds"])
-        assert row["wer"] == results["target_wer"]  # greedy equality: speculative WER equals target-only WER
+        assert row["steps"] == 2 and row["greedy_equal"] and list(row["per_seed"]) == ["0", "1"]
+        mals = [seed_row["mal"] for seed_row in row["per_seed"].values()]
+        assert row["mal"]["values"] == mals and row["mal"]["mean"] == pytest.approx(sum(mals) / 2)
+        assert row["mal"]["sd"] == pytest.approx(abs(mals[0] - mals[1]) / 2 ** 0.5)
+        for seed_row in row["per_seed"].values():
+            accepted = [p["accepted"] for p in seed_row["per_position"]]  # position k is accepted after 1..k-1
+            assert len(accepted) == row["K"] and all(later <= earlier for earlier, later in zip(accepted, accepted[1:]))
+            assert accepted[0] <= seed_row["rounds"]
+            assert seed_row["mal"] == pytest.approx(1 + sum(accepted) / seed_row["rounds"])
+            assert seed_row["wer"] == results["target_wer"]  # greedy equality: speculative WER equals target-only
+    kl, base = results["variants"]["dflash+kl"], results["variants"]["dflash"]
+    assert kl["overrides"] == ["dflash.loss_ce_weight=0", "dflash.loss_kl_weight=1"] and not base["overrides"]
+    verdict = kl["versus"]
+    assert verdict["baseline"] == "dflash" and "versus" not in base
+    assert verdict["difference"] == pytest.approx(kl["mal"]["mean"] - base["mal"]["mean"])
+    assert verdict["wins"] == (verdict["difference"] > 2 * verdict["standard_error"])
     lines = acceptance.table(results)
     assert [results["variants"][n]["K"] for n in ("mtp K=D", "mtp K=2D")] == [3, 6]
     assert lines[0].startswith("| variant |") and sum(line.startswith(("| dflash", "| mtp")) for line in lines) == 4
     assert (tmp_path / "work" / "results.json").exists()
+
+
+def test_a_method_wins_only_beyond_two_standard_errors(bench):
+    """The verdict rule on figures written out: both means with SE 0.058, so 2 SE of the difference is 0.16: +0.30
+    wins, +0.10 does not."""
+    _, acceptance = bench
+
+    def row(values):
+        return {"mal": acceptance._summary(values)}
+
+    base = row([5.9, 6.0, 6.1])  # sd 0.1, SE 0.0577
+    assert acceptance.versus(row([6.2, 6.3, 6.4]), base, "dflash")["wins"]
+    assert not acceptance.versus(row([6.0, 6.1, 6.2]), base, "dflash")["wins"]
+    close = acceptance.versus(row([6.0, 6.1, 6.2]), base, "dflash")
+    assert close["standard_error"] == pytest.approx((2 * 0.01 / 3) ** 0.5)
+    assert close["per_seed_differences"] == pytest.approx([0.1, 0.1, 0.1])
+    assert acceptance.baseline_of("dflash2+kl", ["dflash", "dflash2"]) == "dflash2"
+    assert acceptance.baseline_of("dflash2-target_argmax", ["dflash2"]) is None

@@ -51,6 +51,7 @@ def test_load_for_run_derives_taps_and_mask(tiny_salm_dir):
         ("dflash.mask_token_id=384", "mask_token_id=384 is outside the target vocabulary"),
         ("dflash.conv_group_size=24", "conv_group_size=24 must divide the target hidden size 64"),
         ("dflash.selector_top_k=500", "selector_top_k=500 exceeds the target vocabulary"),
+        ("dflash.distill_top_k=500", "dflash.distill_top_k=500 exceeds the target vocabulary"),
     ],
 )
 def test_target_rules_fail_before_weights_load(tiny_salm_dir, monkeypatch, override, message):

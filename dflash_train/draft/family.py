@@ -101,7 +101,8 @@ class MTPHeads:
         from dflash_train.draft.mtp_objective import MTPTrainerCore
 
         return MTPTrainerCore(draft, target.lm_head, spec.variant.step_weights(spec.cfg), spec.cfg.num_anchors,
-                              spec.cfg.loss_chunk_size, per_document=spec.cfg.anchor_budget == "per_document")
+                              spec.cfg.loss_chunk_size, per_document=spec.cfg.anchor_budget == "per_document",
+                              terms=spec.variant.loss_terms(spec.cfg))
 
     def warm_start(self, draft, path, spec):
         from dflash_train.draft.mtp_export import warm_start_mtp

@@ -33,7 +33,7 @@ from torch.nn import functional as F
 
 from dflash_train.draft.anchors import anchor_coverage, documents_of, draw_anchors
 from dflash_train.draft.mtp import MTPStep
-from dflash_train.loss.head import head_cross_entropy, position_bound
+from dflash_train.loss.head import CROSS_ENTROPY, LossTerms, TeacherRows, chunked_head_loss, position_bound
 from dflash_train.target.taps import document_attention_mask
 from dflash_train.variants.mtp import valid_anchor_mask
 
@@ -68,7 +68,10 @@ class MTPTrainerCore(nn.Module):
 
     ``forward`` takes the module's batch layout (labels substituted, the target's final hidden
     states as ``features``, the audio-fused token embeddings as ``embeds``) and returns
-    :class:`MTPStepMetrics` whose ``loss`` is Σ w·CE / Σ w over every supervised draft step.
+    :class:`MTPStepMetrics` whose ``loss`` is Σ w·loss / Σ w over every supervised draft step, the loss
+    being ``terms`` (:class:`~dflash_train.loss.head.LossTerms`: cross-entropy by default; distillation
+    learns the target's distribution at *p + k*, the predecessor of step *k*'s label, read from
+    ``features``, which are the target's final hidden states).
     """
 
     def __init__(
@@ -79,9 +82,13 @@ class MTPTrainerCore(nn.Module):
         num_anchors: int,
         loss_chunk_size: int = 0,
         per_document: bool = False,
+        terms: LossTerms = CROSS_ENTROPY,
     ):
         super().__init__()
         self.loss_chunk_size = loss_chunk_size  # 0: full logits; else the chunked head (loss/head.py)
+        if terms.distills and not loss_chunk_size:
+            raise ValueError("distillation (kl / tv loss terms) needs the chunked head: loss_chunk_size > 0")
+        self.terms = terms
         self.supervised_bound: int | None = None  # the batch's supervised tokens (host), set around a forward
         self.draft_model = step
         object.__setattr__(self, "lm_head", target_lm_head)  # not a submodule: not trained, not checkpointed
@@ -169,16 +176,22 @@ class MTPTrainerCore(nn.Module):
         weights = supervised.float() * torch.tensor(self.step_weights, device=hidden.device)
         weight = weights.sum()
         if self.loss_chunk_size:
-            head = head_cross_entropy(
+            teacher = None
+            if self.terms.distills:  # step k's label is token p + k + 1: the target's prediction at p + k
+                rows = torch.arange(features.shape[0], device=features.device)[:, None, None] * features.shape[1]
+                steps = torch.arange(1, depth + 1, device=features.device)
+                index = rows + (anchors[..., None] + steps).clamp(max=features.shape[1] - 1)
+                teacher = TeacherRows(features.reshape(-1, features.shape[-1]), index)
+            head = chunked_head_loss(
                 hidden, self.lm_head, labels, weights, self.loss_chunk_size, positions=supervised,
-                max_positions=position_bound(supervised, self.supervised_bound),
+                max_positions=position_bound(supervised, self.supervised_bound), terms=self.terms, teacher=teacher,
             )
-            weighted_nll, predictions = head.weighted_nll, head.predictions
+            weighted_loss, predictions = head.weighted_loss, head.predictions
         else:
             logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
             ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(weights)
-            weighted_nll, predictions = (ce * weights).sum(), logits.argmax(dim=-1)
-        loss = weighted_nll / weight.clamp_min(1e-12)
+            weighted_loss, predictions = (ce * weights).sum(), logits.argmax(dim=-1)
+        loss = weighted_loss / weight.clamp_min(1e-12)
 
         correct = (predictions == labels) & supervised
         prefix = (correct | ~supervised).long().cumprod(dim=2) * supervised.long()

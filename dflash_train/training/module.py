@@ -100,6 +100,7 @@ class StepInputs:
     seq_lens: torch.Tensor
     doc_remaining: torch.Tensor
     embeds: Optional[torch.Tensor] = None  # token embeddings, audio frames' at audio positions (no-tap variants)
+    teacher_hidden: Optional[torch.Tensor] = None  # the target's final hidden states, for a tap variant's distillation
     supervised_bound: Optional[int] = None  # at least loss_mask.sum(), known on the host (sizes the loss's rows)
     anchor_runway: Optional[int] = None  # the batch's (SpeechBatch.with_placements): proves an anchor on the host
 
@@ -129,6 +130,7 @@ def pad_to_multiple(inputs: StepInputs, multiple: int) -> StepInputs:
         seq_lens=inputs.seq_lens,
         doc_remaining=pad(inputs.doc_remaining, -1),
         embeds=None if inputs.embeds is None else pad(inputs.embeds, 0),
+        teacher_hidden=None if inputs.teacher_hidden is None else pad(inputs.teacher_hidden, 0),
         supervised_bound=inputs.supervised_bound,
         anchor_runway=inputs.anchor_runway,
     )
@@ -271,13 +273,14 @@ class DFlashDraftModule(L.LightningModule):
         layout = document_layout(doc_ids, batch.max_documents if packed else 1)
         argmax = self.settings.label_source == "target_argmax"
         taps_features = self.spec.variant.uses_taps
+        distills = self.distills and taps_features  # MTP's features already are the target's final states
         # Rows are right-padded: in a causal target no real position can see the padding that follows
         # it, so the target runs without a padding mask (HF would read the mask back to pick a kernel).
         taps = target.forward_taps(
             spliced.inputs_embeds,
             None,
             self.settings.layer_ids if taps_features else [],
-            return_last_hidden=argmax or not taps_features,
+            return_last_hidden=argmax or not taps_features or distills,
             position_ids=layout.position_ids if packed else None,
             document_ids=doc_ids if packed else None,
         )
@@ -293,11 +296,16 @@ class DFlashDraftModule(L.LightningModule):
                 embeds = torch.where(spliced.audio_mask[..., None], spliced.inputs_embeds, target.embed_tokens(ids))
         inputs = StepInputs(
             ids, features, spliced.loss_mask, layout.position_ids, layout.seq_lens, layout.doc_remaining, embeds,
-            batch.supervised_tokens, batch.anchor_runway,
+            taps.last_hidden if distills else None, batch.supervised_tokens, batch.anchor_runway,
         )
         if self.settings.pads_shapes:
             inputs = pad_to_multiple(inputs, FLEX_LENGTH_MULTIPLE)
         return inputs
+
+    @property
+    def distills(self) -> bool:
+        """Whether the run's loss learns the target's distribution (so each step keeps its final hidden states)."""
+        return self.spec.variant.loss_terms(self.spec.cfg).distills
 
     def has_valid_anchor(self, inputs: StepInputs) -> bool:
         """Whether any row holds an anchor of this variant (DFlash: a supervised position with a full block
@@ -317,6 +325,8 @@ class DFlashDraftModule(L.LightningModule):
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(rng_key)
             extra = {} if inputs.embeds is None else {"embeds": inputs.embeds}
+            if inputs.teacher_hidden is not None:
+                extra["teacher_hidden"] = inputs.teacher_hidden
             if preferred is not None:
                 self.core.preferred_anchors = preferred
                 self.core.preferred_fraction = self.settings.serving_anchors.settings.fraction
@@ -356,8 +366,11 @@ class DFlashDraftModule(L.LightningModule):
         self, rows: int, length: int, features_like: torch.Tensor, embeds_like: Optional[torch.Tensor] = None
     ) -> StepInputs:
         """``rows`` fully supervised one-document rows of ``length`` mask tokens with zero features (and zero
-        embeddings), in the width, dtype and device of ``features_like`` / ``embeds_like``."""
+        embeddings, and zero target states when distilling), in the width, dtype and device of ``features_like`` /
+        ``embeds_like``."""
         device = features_like.device
+        keeps_teacher = self.distills and self.spec.variant.uses_taps
+        teacher = features_like.new_zeros(rows, length, self.target.hidden_size) if keeps_teacher else None
         layout = document_layout(torch.zeros(rows, length, dtype=torch.long, device=device), 1)
         return StepInputs(
             input_ids=torch.full((rows, length), self.spec.mask_token_id, dtype=torch.long, device=device),
@@ -367,6 +380,7 @@ class DFlashDraftModule(L.LightningModule):
             seq_lens=layout.seq_lens,
             doc_remaining=layout.doc_remaining,
             embeds=None if embeds_like is None else embeds_like.new_zeros(rows, length, embeds_like.shape[-1]),
+            teacher_hidden=teacher,
         )
 
     def warm_shape_classes(self, train_context=contextlib.nullcontext, eval_context=contextlib.nullcontext) -> None:

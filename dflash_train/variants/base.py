@@ -17,6 +17,7 @@ from torch import nn
 
 from dflash_train.constants import speculative_tokens
 from dflash_train.errors import MissingDependencyError
+from dflash_train.loss.head import LossTerms
 
 AUTOMODEL_INSTALL = "pip install --no-deps nemo-automodel==0.7.0"
 
@@ -30,6 +31,11 @@ class DFlashConfig:
     block_size: int = 8
     loss_decay_gamma: float = 4.0
     step_loss_weights: Optional[list[float]] = None  # one loss weight per draft position; null: the decay above
+    loss_ce_weight: float = 1.0  # hard cross-entropy against the labels
+    loss_kl_weight: float = 0.0  # tau^2 KL(target || draft): distillation of the target's next-token distribution
+    loss_tv_weight: float = 0.0  # total variation between the two
+    distill_top_k: int = 0  # the target's distribution cut to its k likeliest tokens and renormalised (0: all)
+    distill_temperature: float = 1.0  # tau, both distributions' softmax temperature in the kl / tv terms
     num_anchors: int = 512
     anchor_budget: str = "per_row"  # num_anchors per row, or per document of a packed row (draft/anchors.py)
     label_source: str = "target_argmax"
@@ -64,6 +70,25 @@ ANCHOR_BUDGETS = ("per_row", "per_document")
 def decayed_step_weights(num_steps: int, gamma: float) -> list[float]:
     """``w_k = exp(-(k-1)/gamma)`` for k = 1..D: the DFlash block loss's decay over draft positions."""
     return [math.exp(-k / gamma) for k in range(num_steps)] if gamma > 0 else [1.0] * num_steps
+
+
+def _loss_problems(cfg: DFlashConfig) -> Iterator[str]:
+    """The rules of the loss keys (:class:`~dflash_train.loss.head.LossTerms`)."""
+    weights = {key: getattr(cfg, key) for key in ("loss_ce_weight", "loss_kl_weight", "loss_tv_weight")}
+    if min(weights.values()) < 0 or sum(weights.values()) <= 0:
+        yield (
+            f"dflash.loss_ce_weight / loss_kl_weight / loss_tv_weight = {', '.join(map(str, weights.values()))} must be "
+            "non-negative and not all zero (the default is 1 / 0 / 0: cross-entropy alone)"
+        )
+    if cfg.distill_temperature <= 0:
+        yield f"dflash.distill_temperature={cfg.distill_temperature} must be > 0"
+    if cfg.distill_top_k < 0:
+        yield f"dflash.distill_top_k={cfg.distill_top_k} must be >= 0 (0: the target's whole distribution)"
+    if (cfg.loss_kl_weight > 0 or cfg.loss_tv_weight > 0) and cfg.loss_chunk_size == 0:
+        yield (
+            "dflash.loss_kl_weight / loss_tv_weight (distillation) with dflash.loss_chunk_size=0: only the chunked loss "
+            "distills; set loss_chunk_size > 0 (the default 256) or the two weights to 0"
+        )
 
 
 class TargetDims(NamedTuple):
@@ -133,6 +158,11 @@ class DraftVariant:
             return [float(w) for w in cfg.step_loss_weights]
         return decayed_step_weights(self.draft_positions(cfg), cfg.loss_decay_gamma)
 
+    def loss_terms(self, cfg: DFlashConfig) -> LossTerms:
+        """What the draft's loss minimises per position (``dflash.loss_*``, ``dflash.distill_*``)."""
+        return LossTerms(cfg.loss_ce_weight, cfg.loss_kl_weight, cfg.loss_tv_weight, cfg.distill_top_k,
+                         cfg.distill_temperature)
+
     def has_valid_anchor(self, cfg: DFlashConfig, loss_mask: torch.Tensor, doc_remaining: torch.Tensor) -> bool:
         """Whether a batch holds any anchor this variant trains on."""
         return bool((loss_mask & (doc_remaining >= self.block_span(cfg))).any())
@@ -171,10 +201,12 @@ class DraftVariant:
                 "dflash.step_loss_weights with dflash.loss_chunk_size=0: the library's own loss decays by "
                 "loss_decay_gamma only; set loss_chunk_size > 0 (the default 256) or step_loss_weights=null"
             )
+        yield from _loss_problems(cfg)
 
     def target_problems(self, cfg: DFlashConfig, dims: TargetDims) -> Iterator[str]:
-        """One message per key that does not fit the target's sizes."""
-        yield from ()
+        """One message per key that does not fit the target's sizes; a variant with keys of its own extends it."""
+        if cfg.distill_top_k > dims.vocab_size:
+            yield f"dflash.distill_top_k={cfg.distill_top_k} exceeds the target vocabulary ({dims.vocab_size}); 0 keeps all of it"
 
     def step_metrics(self, metrics) -> dict[str, torch.Tensor]:
         """Variant-specific training metrics of a step's trainer-core output (``train/<name>``), as device

@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import torch
 
-from dflash_train.loss.head import HeadLoss, head_cross_entropy, position_bound
+from dflash_train.loss.head import CROSS_ENTROPY, HeadLoss, LossTerms, TeacherRows, chunked_head_loss, position_bound
 from dflash_train.variants.base import DFlashConfig, DraftVariant, automodel_speculative_dflash
 
 
 class ChunkedBlockLoss:
     """Mixin over one of nemo_automodel's block trainer cores: the same step with the LM head and the
-    decayed block cross-entropy computed by :func:`head_cross_entropy`, so no ``[B, N·block, V]`` logits are
+    decayed block cross-entropy computed by :func:`chunked_head_loss`, so no ``[B, N·block, V]`` logits are
     held (``loss_chunk_size`` rows of them at a time). ``loss_chunk_size=0`` runs the library's own forward,
     which materialises them (the reference the chunked loss is tested against).
 
     The prologue (anchors, noise embeddings, the block mask), the labels and the statistics are the
     library's; the loss is its ``Σ w·CE / (Σ w + 1e-6)`` with ``w`` the decayed mask of the predicted
-    positions (block position 0 and padded blocks are never projected). A variant with more terms
-    overrides :meth:`objective`.
+    positions (block position 0 and padded blocks are never projected), or ``Σ w·loss`` of the run's
+    :class:`~dflash_train.loss.head.LossTerms`: distillation learns, at block position k, the target's
+    distribution at ``anchor + k − 1`` (the predecessor of the label's position), read from the target's
+    final hidden states passed as ``teacher_hidden``. A variant with more terms overrides :meth:`objective`.
     """
 
-    def __init__(self, *args, loss_chunk_size: int, **kwargs):
+    def __init__(self, *args, loss_chunk_size: int, loss_terms: LossTerms = CROSS_ENTROPY, **kwargs):
         super().__init__(*args, **kwargs)
+        if loss_terms.distills and not loss_chunk_size:
+            raise ValueError("distillation (kl / tv loss terms) needs the chunked head: loss_chunk_size > 0")
+        self.loss_terms = loss_terms
         self.loss_chunk_size = loss_chunk_size
         self.supervised_bound: int | None = None  # the batch's supervised tokens (host), set around a forward
         self.position_weights: list[float] | None = None  # dflash.step_loss_weights (None: the library's decay)
@@ -43,9 +48,10 @@ class ChunkedBlockLoss:
             "softcap": getattr(self.draft_model, "final_logit_softcapping", None),
         }
 
-    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, top_k: int = 0) -> HeadLoss:
-        """The chunked head + CE with the draft's output transform, sized on the host (no read-back)."""
-        return head_cross_entropy(
+    def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, teacher: TeacherRows | None,
+                  top_k: int = 0) -> HeadLoss:
+        """The chunked head + the run's loss with the draft's output transform, sized on the host (no read-back)."""
+        return chunked_head_loss(
             hidden,
             self.lm_head,
             targets,
@@ -53,12 +59,17 @@ class ChunkedBlockLoss:
             self.loss_chunk_size,
             top_k=top_k,
             max_positions=position_bound(weights, self.supervised_bound),
+            terms=self.loss_terms,
+            teacher=teacher,
             **self.output_transform(),
         )
 
-    def forward(self, input_ids, hidden_states, loss_mask, position_ids=None, seq_lens=None, doc_remaining=None):
+    def forward(self, input_ids, hidden_states, loss_mask, position_ids=None, seq_lens=None, doc_remaining=None,
+                teacher_hidden=None):
         if not self.loss_chunk_size:
             return super().forward(input_ids, hidden_states, loss_mask, position_ids, seq_lens, doc_remaining)
+        if self.loss_terms.distills and teacher_hidden is None:
+            raise ValueError("distillation (kl / tv loss terms) needs the target's final hidden states (teacher_hidden)")
         bsz, seq_len = input_ids.shape
         anchors, keep, noise_embedding, full_position_ids, attention_mask, _ = self._prepare_block_inputs(
             input_ids, loss_mask, position_ids=position_ids, seq_lens=seq_lens, doc_remaining=doc_remaining
@@ -70,20 +81,27 @@ class ChunkedBlockLoss:
             attention_mask=attention_mask,
         )
         blocks = anchors.size(1)
-        _, target_ids, block_mask = self._build_block_targets(
+        label_positions, target_ids, block_mask = self._build_block_targets(
             input_ids, loss_mask, anchors, keep, seq_len, doc_remaining=doc_remaining
         )
         # block position k predicts the token at anchor + k; position 0 (the anchor itself) is never a target
         hidden = output_hidden.view(bsz, blocks, self.block_size, -1)[:, :, 1:]
-        return self.objective(hidden, target_ids, block_mask[:, :, 1:])
+        teacher = None
+        if self.loss_terms.distills:  # the target's own prediction of the token at anchor + k is made at anchor + k - 1
+            rows = torch.arange(bsz, device=input_ids.device)[:, None, None] * seq_len
+            predecessors = label_positions[:, :, 1:].clamp(max=seq_len - 1) - 1
+            teacher = TeacherRows(teacher_hidden.reshape(bsz * seq_len, -1), rows + predecessors)
+        return self.objective(hidden, target_ids, block_mask[:, :, 1:], teacher)
 
-    def objective(self, hidden: torch.Tensor, target_ids: torch.Tensor, mask: torch.Tensor):
+    def objective(self, hidden: torch.Tensor, target_ids: torch.Tensor, mask: torch.Tensor,
+                  teacher: TeacherRows | None = None):
         """DFlash's step metrics from the predicted positions' hidden states ``[B, N, block−1, H]``, the blocks'
-        labels ``[B, N, block]`` and the supervised mask ``[B, N, block−1]``."""
+        labels ``[B, N, block]``, the supervised mask ``[B, N, block−1]`` and, when distilling, the target's
+        rows for each predicted position."""
         dflash = automodel_speculative_dflash()
         targets = target_ids[:, :, 1:]
         weights = self.depth_weighted(mask)
-        head = self.head_loss(hidden, targets, weights)
+        head = self.head_loss(hidden, targets, weights, teacher)
         loss_weight = weights.sum()
         with torch.no_grad():
             supervised = mask.bool()
@@ -93,7 +111,7 @@ class ChunkedBlockLoss:
                 head.predictions, targets, supervised
             )
         return dflash.DFlashStepMetrics(
-            loss=head.weighted_nll / (loss_weight + 1e-6),
+            loss=head.weighted_loss / (loss_weight + 1e-6),
             loss_weight=loss_weight.detach(),
             accuracy=correct_tokens / valid_tokens.clamp_min(1),
             valid_tokens=valid_tokens,
@@ -121,7 +139,7 @@ class DFlash(DraftVariant):
         return dflash.Qwen3DFlashDraftModel, with_chunked_loss(ChunkedBlockLoss, dflash.DFlashTrainerModule)
 
     def trainer_kwargs(self, cfg: DFlashConfig) -> dict:
-        return {"loss_chunk_size": cfg.loss_chunk_size}
+        return {"loss_chunk_size": cfg.loss_chunk_size, "loss_terms": self.loss_terms(cfg)}
 
 
 DFLASH = DFlash()

@@ -60,6 +60,7 @@ class DFlash2(DFlash):
             yield f"dflash.selector_loss_weight={cfg.selector_loss_weight} must be >= 0"
 
     def target_problems(self, cfg: DFlash2Config, dims):
+        yield from super().target_problems(cfg, dims)
         if dims.hidden_size % cfg.conv_group_size:
             yield f"dflash.conv_group_size={cfg.conv_group_size} must divide the target hidden size {dims.hidden_size}"
         if cfg.selector_top_k > dims.vocab_size:
@@ -80,7 +81,8 @@ class DFlash2(DFlash):
 
 
 class ChunkedSelectorLoss(ChunkedBlockLoss):
-    """DFlash2's step with the chunked head (:class:`ChunkedBlockLoss`): the block CE, plus the selector's CE
+    """DFlash2's step with the chunked head (:class:`ChunkedBlockLoss`): the block loss (CE, or the run's
+    distillation terms), plus the selector's CE against the labels
     over each position's top-k candidates, whose unary scores (their logits) are recomputed from the ``k``
     head rows alone, so no ``[positions, V]`` logits are held for them either.
 
@@ -88,14 +90,14 @@ class ChunkedSelectorLoss(ChunkedBlockLoss):
     which pools the selector term over ranks.
     """
 
-    def objective(self, hidden, target_ids, mask):
+    def objective(self, hidden, target_ids, mask, teacher=None):
         dflash = automodel_speculative_dflash()
         selector = self.draft_model.candidate_selector
         targets = target_ids[:, :, 1:]
         weights = self.depth_weighted(mask)
-        head = self.head_loss(hidden, targets, weights, top_k=selector.top_k)
+        head = self.head_loss(hidden, targets, weights, teacher, top_k=selector.top_k)
         loss_weight = weights.sum()
-        block_ce = head.weighted_nll / (loss_weight + 1e-6)
+        block_ce = head.weighted_loss / (loss_weight + 1e-6)
 
         candidates = head.top_ids
         unary = logits_at(hidden, self.lm_head, candidates, **self.output_transform())
