@@ -11,8 +11,8 @@ its corpus, target-only and speculative at each concurrency, repeats interleaved
 ``.venv-vllm`` on CPU; on a GPU machine any venv with vLLM and this project installed).
 
 The drafts default to the exports ``benchmarks/acceptance.py`` trains
-(``benchmarks/.work/acceptance/runs/{dflash,dflash2}/export``: run it first in the main venv,
-``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/acceptance.py --variants dflash dflash2``). The corpus is
+(``benchmarks/.work/acceptance/runs/{dflash,dflash2}-s42/export``: run it first in the main venv,
+``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/acceptance.py --seeds 42 --variants dflash dflash2``). The corpus is
 rebuilt when missing. The report goes to ``benchmarks/.work/serve_bench/`` (git-ignored);
 docs/benchmarks.md has the figures.
 """
@@ -30,8 +30,8 @@ from train_reference_target import OUT as TARGET_DIR  # noqa: E402
 from train_reference_target import WORK, corpus  # noqa: E402
 
 OUT = WORK / "serve_bench"
-DEFAULT_DRAFT = WORK / "acceptance" / "runs" / "dflash" / "export"
-DEFAULT_DFLASH2 = WORK / "acceptance" / "runs" / "dflash2" / "export"
+DEFAULT_DRAFT = WORK / "acceptance" / "runs" / "dflash-s42" / "export"  # benchmarks/acceptance.py, seed 42
+DEFAULT_DFLASH2 = WORK / "acceptance" / "runs" / "dflash2-s42" / "export"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not (Path(args.draft) / "config.json").exists():
         print(f"serve_bench: no draft export at {args.draft}; train it first: "
-              "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/acceptance.py --variants dflash", file=sys.stderr)
+              "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/acceptance.py --seeds 42 --variants dflash", file=sys.stderr)
         return 2
     _, held_out = corpus()
     target = OUT / "target"
