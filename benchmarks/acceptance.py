@@ -17,8 +17,9 @@ missing). Everything it writes goes to ``benchmarks/.work/acceptance`` (git-igno
 3. All block drafts of every seed through the reference speculative decoder on the same held-out
    utterances in one pass at K = block_size - 1 (pooled MAL, per-position acceptance, greedy
    equivalence, WER); each MTP export (the target with its trained heads) at K = D and K = 2D.
-4. Per row: serving MAL, first-position acceptance, teacher-forced accept_len and serving /
-   teacher-forced as mean ± sd over the seeds (every seed's figure kept); a row ``NAME+METHOD``
+4. Per row: serving MAL, its fraction of the ceiling (a draft that is always right on these
+   replies), first-position acceptance, MAL of the rounds right after a correction, teacher-forced
+   accept_len and serving / teacher-forced as mean ± sd over the seeds (every seed's figure kept); a row ``NAME+METHOD``
    "wins" against row ``NAME`` only when its mean MAL is higher by more than two standard errors of
    the difference.
 
@@ -42,6 +43,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from train_reference_target import OUT as TARGET_DIR  # noqa: E402
 from train_reference_target import WORK, corpus  # noqa: E402
 
+from dflash_train.evaluate.anchors import AFTER_CORRECTION, round_starts  # noqa: E402
 from dflash_train.evaluate.run import MTP, TARGET_MTP_HEADS  # noqa: E402
 from dflash_train.variants import variant_named  # noqa: E402
 
@@ -185,9 +187,9 @@ def table(results: dict) -> list[str]:
     """The benchmark table (markdown): each row's mean ± sd over the seeds, and its verdict against its baseline."""
     k, seeds = results["K"], results["seeds"]
     head = ("| variant | training labels | steps | seeds | train wall | teacher-forced val accept_len "
-            "| serving MAL (mean ± sd) | per seed | acceptance@1 | serving / teacher-forced | greedy equal "
-            "| vs baseline |")
-    lines = [head, "|" + "---|" * 12]
+            "| serving MAL (mean ± sd) | per seed | MAL / ceiling | acceptance@1 | MAL after a correction "
+            "| serving / teacher-forced | greedy equal | vs baseline |")
+    lines = [head, "|" + "---|" * 14]
     for name, row in results["variants"].items():
         verdict = row.get("versus")
         versus = "—" if verdict is None else (
@@ -196,7 +198,8 @@ def table(results: dict) -> list[str]:
         lines.append(
             f"| {name} | {row['training_data']} | {row['steps']} | {len(row['per_seed'])} | "
             f"{row['train_wall_s']['mean']:.0f} s | {_pm(row['val_accept_len'])} | {_pm(row['mal'])} | "
-            + " ".join(_fmt(v) for v in row["mal"]["values"]) + f" | {_pm(row['first_acceptance'])} | "
+            + " ".join(_fmt(v) for v in row["mal"]["values"]) + f" | {_pm(row['fraction_of_ceiling'])} of "
+            f"{_fmt(row['ceiling'])} | {_pm(row['first_acceptance'])} | {_pm(row['after_correction_mal'])} | "
             f"{_pm(row['serving_over_teacher_forced'])} | {'yes' if row['greedy_equal'] else 'NO'} | {versus} |"
         )
     lines.append("")
@@ -236,6 +239,9 @@ def aggregate(per_seed: dict[int, dict]) -> dict:
         "K": first["K"],
         "greedy_equal": all(r["greedy_equal"] for r in rows),
         "mal": _summary([r["mal"] for r in rows]),
+        "ceiling": first["ceiling"],
+        "fraction_of_ceiling": _summary([r["fraction_of_ceiling"] for r in rows]),
+        "after_correction_mal": _summary([r["after_correction_mal"] for r in rows]),
         "first_acceptance": _summary([r["per_position"][0]["acceptance"] for r in rows]),
         "val_accept_len": _summary([r["val_accept_len"] for r in rows]),
         "val_serving_mal": _summary([r.get("val_serving_mal") for r in rows]),
@@ -256,11 +262,37 @@ def versus(row: dict, baseline: dict, baseline_name: str) -> dict:
             "wins": difference > WIN_STANDARD_ERRORS * error, "per_seed_differences": paired}
 
 
+def ceiling_mal(reply_lengths: list[int], k: int) -> float:
+    """Pooled MAL of a draft that is always right, over replies of these lengths (tokens, the stop token
+    included): the prefill makes the first token, every round accepts K and adds its bonus, and the last
+    round accepts what is left (at most K), as the decoder's counters count it."""
+    accepted = rounds = 0
+    for length in reply_lengths:
+        after_prefill = length - 1
+        if after_prefill <= 0:
+            continue
+        count = math.ceil(after_prefill / (k + 1))
+        accepted += k * (count - 1) + min(after_prefill - (count - 1) * (k + 1), k)
+        rounds += count
+    return (accepted + rounds) / rounds if rounds else float("nan")
+
+
+def after_correction_mal(rounds_per_reply: list[list[int]], k: int) -> float | None:
+    """Pooled MAL of the rounds that start right after the target corrected the draft (the previous round
+    accepted fewer than K), where serving loses most (docs/benchmarks.md)."""
+    accepted = [a for rounds in rounds_per_reply for (_, kind), a in zip(round_starts(rounds, k), rounds)
+                if kind == AFTER_CORRECTION]
+    return 1 + sum(accepted) / len(accepted) if accepted else None
+
+
 def _served(row: dict, report: dict, name: str) -> dict:
     """``row`` with the serving figures of draft ``name`` in an evaluation report."""
     draft = report["drafts"][name]
-    row.update(K=report["settings"]["num_speculative_tokens"], mal=draft["acceptance"]["mal"],
-               rounds=draft["acceptance"]["rounds"], per_position=draft["acceptance"]["per_position"],
+    k = report["settings"]["num_speculative_tokens"]
+    ceiling = ceiling_mal([len(sample["target"]["token_ids"]) for sample in report["samples"]], k)
+    rounds_per_reply = [sample["drafts"][name]["accepted_per_round"] for sample in report["samples"]]
+    row.update(K=k, mal=draft["acceptance"]["mal"], ceiling=ceiling, fraction_of_ceiling=draft["acceptance"]["mal"] / ceiling,
+               after_correction_mal=after_correction_mal(rounds_per_reply, k), rounds=draft["acceptance"]["rounds"], per_position=draft["acceptance"]["per_position"],
                greedy_equal=draft["greedy_equal"], wer=draft["wer"]["wer"], truncated=len(draft["truncated_ids"]))
     return row
 

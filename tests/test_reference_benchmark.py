@@ -107,6 +107,8 @@ def test_acceptance_benchmark_smallest_configuration_runs(bench, tmp_path):
             assert accepted[0] <= seed_row["rounds"]
             assert seed_row["mal"] == pytest.approx(1 + sum(accepted) / seed_row["rounds"])
             assert seed_row["wer"] == results["target_wer"]  # greedy equality: speculative WER equals target-only
+            assert 1.0 <= seed_row["mal"] <= seed_row["ceiling"] <= row["K"] + 1
+            assert seed_row["fraction_of_ceiling"] == pytest.approx(seed_row["mal"] / seed_row["ceiling"])
     kl, base = results["variants"]["dflash+kl"], results["variants"]["dflash"]
     assert kl["overrides"] == ["dflash.loss_ce_weight=0", "dflash.loss_kl_weight=1"] and not base["overrides"]
     verdict = kl["versus"]
@@ -135,3 +137,16 @@ def test_a_method_wins_only_beyond_two_standard_errors(bench):
     assert close["per_seed_differences"] == pytest.approx([0.1, 0.1, 0.1])
     assert acceptance.baseline_of("dflash2+kl", ["dflash", "dflash2"]) == "dflash2"
     assert acceptance.baseline_of("dflash2-target_argmax", ["dflash2"]) is None
+
+
+def test_the_ceiling_and_the_rounds_after_a_correction_on_replies_written_out(bench):
+    """K = 7. A 19-token reply: 18 tokens after the prefill, rounds of 7 + 1, 7 + 1 and the 2 left, MAL 19 / 3;
+    25 tokens: three full rounds, MAL 8. Rounds 3, 7, 2: the second starts after a correction (3 < K) and
+    accepts 7; rounds 7, 7, 0, 0: only the last starts after a correction, accepting 0."""
+    _, acceptance = bench
+    assert acceptance.ceiling_mal([19], 7) == pytest.approx(19 / 3)
+    assert acceptance.ceiling_mal([25], 7) == pytest.approx(8.0)
+    assert acceptance.ceiling_mal([19, 25], 7) == pytest.approx((16 + 3 + 21 + 3) / 6)
+    assert acceptance.after_correction_mal([[3, 7, 2]], 7) == pytest.approx(8.0)
+    assert acceptance.after_correction_mal([[7, 7, 0, 0], [3, 7, 2]], 7) == pytest.approx(1 + 7 / 2)
+    assert acceptance.after_correction_mal([[7, 7]], 7) is None
