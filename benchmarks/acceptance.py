@@ -1,10 +1,14 @@
-"""Acceptance benchmark on the reference target: serving MAL of drafts trained alike, over seeds.
+"""Acceptance benchmark on a reference target: serving MAL of drafts trained alike, over seeds.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/acceptance.py [--steps 600] [--seeds 42 43 44] [--variants ...]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/acceptance.py --target benchmarks/reference_target_nemotron_h \\
+        --variants dflash dflash2 mtp
 
-Needs the stored target (``benchmarks/reference_target``) and its synthesized corpus
-(``benchmarks/train_reference_target.py`` builds both; the corpus alone is rebuilt here when
-missing). Everything it writes goes to ``benchmarks/.work/acceptance`` (git-ignored).
+Needs a stored target (``benchmarks/reference_target``, NeMo's SALM with a Qwen3 LLM, or
+``benchmarks/reference_target_nemotron_h``, a SpeechLM with a Nemotron-H LLM of Mamba-2, attention and MoE
+blocks) and the synthesized corpus (``benchmarks/train_reference_target.py [--backbone nemotron_h]`` builds
+both; the corpus alone is rebuilt here when missing). Everything it writes goes to
+``benchmarks/.work/acceptance`` (``acceptance-<target directory>`` for another target; git-ignored).
 
 1. Offline labels (the ``dflash-labels`` workflow): the target's greedy transcripts of the first
    ``--label-limit`` training utterances and of the held-out test utterances.
@@ -377,7 +381,8 @@ def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=str(TARGET_DIR), help="SALM checkpoint (default: the reference target)")
+    parser.add_argument("--target", default=str(TARGET_DIR),
+                        help="a reference target's checkpoint directory (default: the SALM reference target)")
     parser.add_argument("--steps", type=int, default=600,
                         help="training steps per draft (same for every variant; default %(default)s)")
     parser.add_argument("--label-limit", type=int, default=1200,
@@ -389,13 +394,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="every variant is trained once per seed (default %(default)s)")
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
                         help="default: %(default)s; a row NAME+METHOD is compared with row NAME")
-    parser.add_argument("--work", default=str(WORK / "acceptance"), help="output directory")
+    parser.add_argument("--work", default=None,
+                        help="output directory (default: benchmarks/.work/acceptance, acceptance-<target name> for "
+                             "another target)")
     parser.add_argument("--reuse-labels", action="store_true",
                         help="keep offline labels already in --work from a run with the same target and limits")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    results = run(Path(args.target).resolve(), args.steps, args.label_limit, args.eval_limit, args.seeds,
-                  args.max_new_tokens, args.variants, Path(args.work), reuse_labels=args.reuse_labels)
+    target = Path(args.target).resolve()
+    work = Path(args.work) if args.work else WORK / (
+        "acceptance" if target == TARGET_DIR.resolve() else f"acceptance-{target.name}")
+    results = run(target, args.steps, args.label_limit, args.eval_limit, args.seeds, args.max_new_tokens,
+                  args.variants, work, reuse_labels=args.reuse_labels)
     print("\n".join(table(results)))
     return 0 if results["failures"] == 0 and all(r["greedy_equal"] for r in results["variants"].values()) else 1
 

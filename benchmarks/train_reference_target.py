@@ -1,9 +1,12 @@
-"""Train the benchmark's reference target: a tiny NeMo SALM that transcribes synthesized speech.
+"""Train a reference target of the benchmark: a tiny NeMo speech LLM that transcribes synthesized speech.
 
-    .venv/bin/python benchmarks/train_reference_target.py
+    .venv/bin/python benchmarks/train_reference_target.py [--backbone qwen3|nemotron_h]
 
 (defaults: ``--ctc-steps 300 --steps 200 --seed 1234``; about 2 minutes on 2 quiet CPU cores once the corpus
-exists, about 10 when another job shares them).
+exists, about 10 when another job shares them). ``--backbone qwen3`` (default) writes NeMo's ``SALM`` with a
+Qwen3 LLM to ``benchmarks/reference_target``; ``--backbone nemotron_h`` the runbook's kind of target, a
+SpeechLM whose LLM is a Nemotron-H with Mamba-2, attention and MoE blocks (``--pattern``), stored under
+``SALMAutomodel``'s native names, to ``benchmarks/reference_target_nemotron_h``.
 One command, deterministic given ``--seed`` (single process, CPU, fixed data order):
 
 1. synthesizes the corpus with espeak-ng (``varied_sentences``: 20 subjects x 20 predicates x
@@ -19,7 +22,8 @@ One command, deterministic given ``--seed`` (single process, CPU, fixed data ord
    copies the stage-1 preprocessor + encoder weights into its perception (the modality adapter,
    projection and LLM stay random);
 4. stage 2: trains all of it for ASR with NeMo's own SALM path (``SALMDataset`` + speechlm2
-   ``DataModule`` + ``SALM.training_step`` under Lightning);
+   ``DataModule`` + ``SALM.training_step`` under Lightning; for a Nemotron-H LLM, which NeMo 3.0's
+   ``SALM`` cannot build, the same steps run on the Nemotron-H modules, :func:`nemotron_h_speech_asr`);
 5. stores the checkpoint in the SALM layout in ``benchmarks/reference_target/`` (``pretrained_asr``
    null, ``pretrained_weights`` false: every weight is in ``model.safetensors``) and measures the
    target-only greedy WER on the held-out split with the evaluation package's decoder (the prompt
@@ -41,13 +45,15 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "benchmarks" / ".work"
 CORPUS = WORK / "corpus"
 OUT = ROOT / "benchmarks" / "reference_target"
+NEMOTRON_H_OUT = ROOT / "benchmarks" / "reference_target_nemotron_h"
+NEMOTRON_H_PATTERN = "*ME*ME*"  # attention, Mamba-2 and MoE blocks interleaved as Nemotron-H's hybrid MoE models do
 COUNT = 2600
 TEST_COUNT = 100
 PROBE_COUNT = 5  # held-out utterances the fast test re-synthesizes and transcribes
 
 
 def target_spec(seed: int):
-    """Sizes of the reference target (head_dim 32 so vLLM's CPU backend can serve it)."""
+    """Sizes of the reference targets (head_dim 32 so vLLM's CPU backend can serve it)."""
     from dflash_train.testing.tiny_salm import TinySALMSpec
 
     return TinySALMSpec(
@@ -238,27 +244,86 @@ def pretrain_encoder(steps: int, seed: int, batch_size: int, lr: float, vocab_si
     return state, facts
 
 
-def train_target(steps: int, seed: int, batch_size: int, lr: float, encoder_state: dict | None = None) -> dict:
+def output_dir(backbone: str) -> Path:
+    """Where the reference target with this LLM backbone is stored."""
+    return NEMOTRON_H_OUT if backbone == "nemotron_h" else OUT
+
+
+def nemotron_h_spec(seed: int, pattern: str):
+    """The Nemotron-H reference target: the Qwen3 target's sizes and perception, Nemotron-H blocks ``pattern``,
+    HF's initialisation, stored under ``SALMAutomodel``'s native names, no MTP heads."""
+    from dflash_train.testing.tiny_mtp_salm import TinyMTPSpec
+
+    return TinyMTPSpec(backbone="nemotron_h", backbone_pattern=pattern, native_names=True, heads=0, weight_std=None,
+                       sizes=target_spec(seed))
+
+
+def nemotron_h_speech_asr(checkpoint: Path):
+    """NeMo's own SALM training and validation steps on the modules of a Nemotron-H SpeechLM checkpoint.
+
+    NeMo 3.0's ``SALM`` cannot build a Nemotron-H LLM (its constructor moves ``llm.model.embed_tokens`` out of
+    the LLM; Nemotron-H calls the table ``embeddings``), so this subclass takes the place of that constructor
+    only: the checkpoint is loaded by the project's target loader, the embedding table moved out as SALM moves
+    its own, and SALM's ``prepare_inputs`` (audio encoding, placeholder replacement, targets),
+    ``training_step``, ``validation_step`` and ``configure_optimizers`` run unchanged."""
+    from lightning import LightningModule
+    from nemo.collections.speechlm2.models import SALM
+    from omegaconf import DictConfig
+
+    from dflash_train.target.nemotron_h import NemotronHSpeechLMTarget, native_llm_state
+
+    class NemotronHSpeechASR(SALM):
+        def __init__(self, target: NemotronHSpeechLMTarget):
+            LightningModule.__init__(self)
+            self.cfg = DictConfig(target.salm_config)
+            self.audio_locator_tag = target.audio_locator_tag
+            self.tokenizer = target.tokenizer
+            self.llm = target.causal_lm
+            self.embed_tokens = self.llm.model.embeddings
+            del self.llm.model.embeddings
+            self.perception = target.perception
+            self._use_fsdp = self._use_tp = False
+
+        def speechlm_weights(self) -> dict:
+            """The trained weights under the checkpoint's names (``perception.*``; ``llm.*`` native)."""
+            llm = {**self.llm.state_dict(), "model.embeddings.weight": self.embed_tokens.weight}
+            perception = {f"perception.{k}": v for k, v in self.perception.state_dict().items()}
+            return {k: v.detach().contiguous() for k, v in {**perception, **native_llm_state(llm)}.items()}
+
+    module = NemotronHSpeechASR(NemotronHSpeechLMTarget.from_checkpoint(checkpoint))
+    module.requires_grad_(True)  # the target loader freezes what it loads (and sets eval mode)
+    module.train()
+    return module
+
+
+def train_target(steps: int, seed: int, batch_size: int, lr: float, encoder_state: dict | None = None,
+                 backbone: str = "qwen3", pattern: str = NEMOTRON_H_PATTERN) -> dict:
     """Build, train and store the target (its perception initialized from ``encoder_state``, the CTC-pretrained
     preprocessor + encoder, when given); returns the training facts for the card."""
     import lightning as L
     import torch
     from nemo.collections.speechlm2.data import DataModule, SALMDataset
     from nemo.collections.speechlm2.models import SALM
+    from safetensors.torch import load_file, save_file
 
     from dflash_train.testing.demo_data import CONTEXTS
+    from dflash_train.testing.tiny_mtp_salm import build_tiny_mtp_salm
     from dflash_train.testing.tiny_salm import build_tiny_salm
 
     train, test = corpus()
-    init_dir = WORK / "target_init"
+    out = output_dir(backbone)
+    init_dir = WORK / f"target_init_{backbone}"
     if init_dir.exists():
         shutil.rmtree(init_dir)
     # The tokenizer learns from the train split only: no held-out sentence shapes its vocabulary.
     texts = _cut_texts(train)[2] + [c for c in CONTEXTS if c]
-    build_tiny_salm(init_dir, target_spec(seed), tokenizer_corpus=texts)
+    if backbone == "nemotron_h":
+        build_tiny_mtp_salm(init_dir, nemotron_h_spec(seed, pattern), tokenizer_corpus=texts)
+    else:
+        build_tiny_salm(init_dir, target_spec(seed), tokenizer_corpus=texts)
 
     L.seed_everything(seed, workers=True)
-    model = SALM.from_pretrained(str(init_dir))
+    model = nemotron_h_speech_asr(init_dir) if backbone == "nemotron_h" else SALM.from_pretrained(str(init_dir))
     if encoder_state is not None:
         # What NeMo's ``pretrained_asr`` does (copy an ASR model's preprocessor + encoder weights into the
         # perception), from the in-memory stage-1 model; the stored config keeps pretrained_asr null.
@@ -276,28 +341,39 @@ def train_target(steps: int, seed: int, batch_size: int, lr: float, encoder_stat
     }
     datamodule = DataModule(_data_config(train, test, batch_size, seed), tokenizer=model.tokenizer,
                             dataset=SALMDataset(tokenizer=model.tokenizer))
-    trainer = _cpu_trainer(steps, WORK / "target_logs")
+    trainer = _cpu_trainer(steps, WORK / f"target_logs_{backbone}")
     started = time.perf_counter()
     trainer.fit(model, datamodule)
     wall = time.perf_counter() - started
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
 
-    if OUT.exists():
-        for child in OUT.iterdir():
+    if out.exists():
+        for child in out.iterdir():
             if child.name != "README.md":
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
-    OUT.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     for child in init_dir.iterdir():  # tokenizer files and llm_backbone/config.json
         if child.name not in ("model.safetensors", "config.json"):
-            shutil.copytree(child, OUT / child.name) if child.is_dir() else shutil.copy(child, OUT / child.name)
+            shutil.copytree(child, out / child.name) if child.is_dir() else shutil.copy(child, out / child.name)
     model.cfg.pop("optimizer")
     model.cfg.pop("lr_scheduler")
-    model.save_pretrained(str(OUT))
-    cfg = json.loads((OUT / "config.json").read_text())
+    if backbone == "nemotron_h":  # the builder's layout and names, every tensor trained
+        weights = model.speechlm_weights()
+        stored = set(load_file(str(init_dir / "model.safetensors")))
+        if set(weights) != stored:
+            raise RuntimeError(f"trained weights do not match the built checkpoint's names: "
+                               f"{sorted(set(weights) ^ stored)[:5]}")
+        save_file(weights, str(out / "model.safetensors"))
+        cfg = json.loads((init_dir / "config.json").read_text())
+    else:
+        model.save_pretrained(str(out))
+        cfg = json.loads((out / "config.json").read_text())
     cfg.update({"pretrained_llm": "llm_backbone", "tokenizer_path": "."})
-    (OUT / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
     n_params = sum(p.numel() for p in model.parameters())
     return {
+        "backbone": backbone,
+        **({"pattern": pattern} if backbone == "nemotron_h" else {}),
         "steps": steps,
         "batch_size": batch_size,
         "lr": lr,
@@ -337,7 +413,32 @@ def transcribe(target_dir: Path, cuts: Path, limit: int | None = None, max_new_t
             "examples": [{"id": i, "reference": r, "hypothesis": h} for i, r, h in zip(ids, refs, hyps)]}
 
 
-def write_card(facts: dict, evaluation: dict) -> None:
+def _model_description(facts: dict) -> tuple[str, str, str, str]:
+    """The card's title, class and layout line, LLM line and stage-2 line for the target's backbone."""
+    if facts.get("backbone") == "nemotron_h":
+        pattern = facts["pattern"]
+        kinds = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
+        blocks = ", ".join(f"{pattern.count(k)} {name}" for k, name in kinds.items() if k in pattern)
+        return (
+            "a tiny Nemotron-H SpeechLM trained for ASR on synthesized speech",
+            "NeMo's SpeechLM checkpoint layout with a Nemotron-H LLM, the LLM under `SALMAutomodel`'s native names\n"
+            "(`mixer._fp32_params.*`, packed `gate_and_up_projs` / `down_projs` experts), the runbook's kind of target",
+            f"- LLM: Nemotron-H, hidden 128, blocks `{pattern}` ({blocks}; 4 query heads / 2 KV heads, head_dim 32;\n"
+            "  Mamba-2 4 heads x 16, state 16; MoE 4 routed experts, top-2, and a shared expert), HF's init.",
+            "Stage 2: NeMo's own SALM steps (`SALMDataset`, speechlm2 `DataModule`, `SALM.prepare_inputs` and\n"
+            "`SALM.training_step`: next-token CE on the reply) on the Nemotron-H modules (NeMo 3.0's `SALM` cannot\n"
+            "build a Nemotron-H LLM; `nemotron_h_speech_asr` in the script), Lightning on CPU, one process.",
+        )
+    return (
+        "a tiny NeMo SALM trained for ASR on synthesized speech",
+        "Real NeMo `SALM` class, SALM checkpoint layout",
+        "- LLM: Qwen3, hidden 128, 6 layers, 4 query heads / 2 KV heads, head_dim 32, MLP 256, random init.",
+        "Stage 2: NeMo's own SALM path: `SALMDataset`, speechlm2 `DataModule` (lhotse, `lhotse_as_conversation`),\n"
+        "`SALM.training_step` (next-token CE on the reply), Lightning on CPU, one process.",
+    )
+
+
+def write_card(facts: dict, evaluation: dict, out: Path = OUT) -> None:
     from dflash_train.evaluate.wer import corpus_wer
 
     wer = evaluation["wer"]
@@ -345,8 +446,10 @@ def write_card(facts: dict, evaluation: dict) -> None:
     probe_wer = corpus_wer([e["id"] for e in probe], [e["hypothesis"] for e in probe], [e["reference"] for e in probe])
     card = {**facts, "test_samples": evaluation["samples"], "test_wer": wer["wer"], "test_wer_detail": wer,
             "test_truncated": evaluation["truncated"], "probe_wer": probe_wer.wer, "probe": probe}
-    (OUT / "card.json").write_text(json.dumps(card, indent=2) + "\n")
-    size_mb = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file()) / 2**20
+    (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    size_mb = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) / 2**20
+    title, layout, llm_line, stage_two = _model_description(facts)
+    backbone_flag = f" --backbone {facts['backbone']}" if facts.get("backbone") == "nemotron_h" else ""
     examples = "\n".join(f"| {e['reference']} | {e['hypothesis']} |" for e in evaluation["examples"][:5])
     ctc = facts["encoder_pretraining"]
     if wer["wer"] > 0.5:
@@ -366,26 +469,26 @@ def write_card(facts: dict, evaluation: dict) -> None:
             "perception carries the audio. Its replies are exact transcripts, not free language; for the "
             "acceptance benchmark that means the draft predicts a real ASR model's outputs."
         )
-    (OUT / "README.md").write_text(f"""# Reference target: a tiny NeMo SALM trained for ASR on synthesized speech
+    (out / "README.md").write_text(f"""# Reference target: {title}
 
-The target of the acceptance benchmark (`benchmarks/acceptance.py`, results in
-`docs/benchmarks.md`). Real NeMo `SALM` class, SALM checkpoint layout
+A target of the acceptance benchmark (`benchmarks/acceptance.py`, results in
+`docs/benchmarks.md`). {layout}
 (`config.json`, `model.safetensors`, tokenizer at the root, `llm_backbone/config.json`),
 {facts['parameters'] / 1e6:.2f} M parameters, {size_mb:.1f} MB on disk.
 
 Regenerate (deterministic given the seed; corpus and logs go to `benchmarks/.work/`, git-ignored):
 
-    .venv/bin/python benchmarks/train_reference_target.py \\
+    .venv/bin/python benchmarks/train_reference_target.py{backbone_flag} \\
         --ctc-steps {ctc['steps']} --steps {facts['steps']} --seed {facts['seed']}
 
 ## Model
-- LLM: Qwen3, hidden 128, 6 layers, 4 query heads / 2 KV heads, head_dim 32, MLP 256, random init.
+{llm_line}
 - Tokenizer: byte-level BPE (512 entries + specials, ChatML template, `<|audio|>`) trained on the train-split sentences and prompt contexts.
 - Perception: FastConformer (64 mel, 8x dw-striding subsampling = 80 ms per frame, 2 layers, d_model 96)
   initialized from the stage-1 CTC model below; 1-layer Conformer modality adapter and projection to the
   LLM, random init. All of it trained in stage 2.
 - Prompt format `qwen` (ChatML); some utterances carry a user context ("Transcribe the audio." ...).
-- `config.json` keeps `pretrained_asr: null`, `pretrained_weights: false`: every weight is in `model.safetensors`.
+- `config.json` keeps `pretrained_weights: false`: every weight, the perception's too, is in `model.safetensors`.
 
 ## Training data
 {COUNT} espeak-ng utterances (`dflash_train.testing.demo_data.varied_sentences`: 20 subjects x 20
@@ -405,8 +508,7 @@ train transcripts, lhotse data, Lightning on CPU. {ctc['steps']} steps, batch {c
 Whisper normalizer): **CER {100 * ctc['test_cer']:.1f} %, WER {100 * ctc['test_wer']:.1f} %**. Its preprocessor +
 encoder weights initialize the SALM perception (the CTC head is dropped).
 
-Stage 2: NeMo's own SALM path: `SALMDataset`, speechlm2 `DataModule` (lhotse, `lhotse_as_conversation`),
-`SALM.training_step` (next-token CE on the reply), Lightning on CPU, one process.
+{stage_two}
 {facts['steps']} steps, batch {facts['batch_size']}, AdamW lr {facts['lr']} (cosine, warmup), gradient clip 1.0,
 seed {facts['seed']}; wall time {facts['train_wall_s'] / 60:.1f} min on {platform.machine()} with
 {facts['torch_threads']} torch threads (2 shared CPU cores). Final train loss {facts['final_train_loss']:.3f},
@@ -444,24 +546,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctc-lr", type=float, default=3e-3, help="CTC peak learning rate")
     parser.add_argument("--ctc-vocab", type=int, default=128, help="CTC SentencePiece vocabulary size")
     parser.add_argument("--eval-only", action="store_true", help="re-measure the stored target's WER and card")
+    parser.add_argument("--backbone", choices=["qwen3", "nemotron_h"], default="qwen3",
+                        help="the LLM: Qwen3 in NeMo's SALM, or Nemotron-H (Mamba-2 / attention / MoE blocks)")
+    parser.add_argument("--pattern", default=NEMOTRON_H_PATTERN,
+                        help="with --backbone nemotron_h: its blocks, M (Mamba-2), * (attention), - (MLP), E (MoE)")
     args = parser.parse_args(argv)
+    out = output_dir(args.backbone)
     started = time.perf_counter()
     if args.eval_only:
-        facts = json.loads((OUT / "card.json").read_text())
-        facts = {k: facts[k] for k in ("steps", "batch_size", "lr", "seed", "train_wall_s", "parameters",
-                                       "final_train_loss", "val_loss", "val_token_accuracy", "torch_threads",
-                                       "encoder_pretraining", "command_wall_s")}
+        facts = json.loads((out / "card.json").read_text())
+        facts = {k: facts[k] for k in ("backbone", "pattern", "steps", "batch_size", "lr", "seed", "train_wall_s",
+                                       "parameters", "final_train_loss", "val_loss", "val_token_accuracy",
+                                       "torch_threads", "encoder_pretraining", "command_wall_s") if k in facts}
     else:
         encoder_state, ctc_facts = pretrain_encoder(args.ctc_steps, args.seed, args.batch_size, args.ctc_lr,
                                                     args.ctc_vocab)
         print(json.dumps(ctc_facts, indent=2))
-        facts = train_target(args.steps, args.seed, args.batch_size, args.lr, encoder_state)
+        facts = train_target(args.steps, args.seed, args.batch_size, args.lr, encoder_state, args.backbone,
+                             args.pattern)
         facts["encoder_pretraining"] = ctc_facts
     _, test = corpus()
-    evaluation = transcribe(OUT, test)
+    evaluation = transcribe(out, test)
     if not args.eval_only:  # corpus synthesis (when missing), both stages, storing and the held-out evaluation
         facts["command_wall_s"] = round(time.perf_counter() - started, 1)
-    write_card(facts, evaluation)
+    write_card(facts, evaluation, out)
     print(json.dumps({k: v for k, v in facts.items()}, indent=2))
     print(f"held-out WER: {100 * evaluation['wer']['wer']:.1f} % over {evaluation['samples']} utterances")
     return 0

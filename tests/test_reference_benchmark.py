@@ -1,4 +1,5 @@
-"""The reference benchmark: the stored target transcribes, and the acceptance benchmark runs end to end.
+"""The reference benchmark: the stored targets (NeMo's SALM with a Qwen3 LLM; a SpeechLM with a Nemotron-H LLM
+of Mamba-2, attention and MoE blocks) transcribe, and the acceptance benchmark runs end to end on both.
 
 Both tests need espeak-ng (the held-out audio is re-synthesized, never stored) and run offline.
 """
@@ -14,6 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 TARGET = BENCH / "reference_target"
+NEMOTRON_H_TARGET = BENCH / "reference_target_nemotron_h"
+BOTH_TARGETS = pytest.mark.parametrize("target", [TARGET, NEMOTRON_H_TARGET], ids=["qwen3", "nemotron_h"])
 
 @pytest.fixture(scope="module")
 def bench():
@@ -33,19 +36,40 @@ def held_out(bench, tmp_path_factory):
     return bench[0].held_out_cuts(tmp_path_factory.mktemp("held_out"))
 
 
-def test_stored_target_is_small_and_in_salm_layout():
-    files = {p.relative_to(TARGET).as_posix() for p in TARGET.rglob("*") if p.is_file()}
+@BOTH_TARGETS
+def test_stored_target_is_small_and_in_salm_layout(target):
+    files = {p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "llm_backbone/config.json", "card.json"} <= files
-    config = json.loads((TARGET / "config.json").read_text())
+    config = json.loads((target / "config.json").read_text())
     assert config["pretrained_llm"] == "llm_backbone" and config["tokenizer_path"] == "."
     assert "optimizer" not in config and config["pretrained_weights"] is False
-    assert sum((TARGET / f).stat().st_size for f in files) < 20 * 2**20
+    assert sum((target / f).stat().st_size for f in files) < 20 * 2**20
 
 
-def test_stored_target_transcribes_held_out_within_recorded_band(bench, held_out):
+def test_nemotron_h_target_is_stored_as_the_runbook_stores_its_targets():
+    """SALMAutomodel's native names (Mamba parameters under ``_fp32_params``, packed experts), every block kind
+    the card names, no MTP heads (the benchmark trains them)."""
+    from safetensors import safe_open
+
+    from transformers import AutoConfig
+
+    backbone = AutoConfig.from_pretrained(NEMOTRON_H_TARGET / "llm_backbone")
+    card = json.loads((NEMOTRON_H_TARGET / "card.json").read_text())
+    assert backbone.model_type == "nemotron_h" and card["pattern"] == backbone.hybrid_override_pattern
+    assert {"M", "*", "E"} <= set(card["pattern"])
+    with safe_open(str(NEMOTRON_H_TARGET / "model.safetensors"), "pt") as handle:
+        names = set(handle.keys())
+    assert any(".mixer._fp32_params.A_log" in n for n in names) and any(n.endswith(".experts.gate_and_up_projs")
+                                                                          for n in names)
+    assert not any(n.startswith("llm.mtp.") for n in names)
+    assert "mtp" not in json.loads((NEMOTRON_H_TARGET / "config.json").read_text())
+
+
+@BOTH_TARGETS
+def test_stored_target_transcribes_held_out_within_recorded_band(bench, held_out, target):
     train_reference_target, _ = bench
-    card = json.loads((TARGET / "card.json").read_text())
-    result = train_reference_target.transcribe(TARGET, held_out)
+    card = json.loads((target / "card.json").read_text())
+    result = train_reference_target.transcribe(target, held_out)
     assert result["samples"] == train_reference_target.PROBE_COUNT
     # Same audio, same float32 greedy decoding: the card's transcripts come back; allow one word of drift.
     assert [e["id"] for e in result["examples"]] == [e["id"] for e in card["probe"]]
@@ -57,7 +81,8 @@ def test_stored_target_transcribes_held_out_within_recorded_band(bench, held_out
     assert card["encoder_pretraining"]["test_cer"] < 0.5
 
 
-def test_stored_target_listens_to_the_audio(bench, held_out, tmp_path):
+@BOTH_TARGETS
+def test_stored_target_listens_to_the_audio(bench, held_out, tmp_path, target):
     """Silence of the same length must not give the same transcripts (a collapsed perception made the old
     target transcribe from the audio length alone)."""
     import gzip
@@ -66,7 +91,7 @@ def test_stored_target_listens_to_the_audio(bench, held_out, tmp_path):
     import soundfile as sf
 
     train_reference_target, _ = bench
-    card = json.loads((TARGET / "card.json").read_text())
+    card = json.loads((target / "card.json").read_text())
     records = [json.loads(line) for line in gzip.open(held_out, "rt")]
     for record in records:
         recording = record["recording"]
@@ -76,7 +101,7 @@ def test_stored_target_listens_to_the_audio(bench, held_out, tmp_path):
     silent = tmp_path / "silent_cuts.jsonl.gz"
     with gzip.open(silent, "wt") as handle:
         handle.writelines(json.dumps(record) + "\n" for record in records)
-    result = train_reference_target.transcribe(TARGET, silent)
+    result = train_reference_target.transcribe(target, silent)
     assert result["samples"] == len(records) == train_reference_target.PROBE_COUNT
     hypotheses = [e["hypothesis"] for e in result["examples"]]
     assert sum(h != e["hypothesis"] for h, e in zip(hypotheses, card["probe"])) >= len(records) - 1
@@ -119,6 +144,27 @@ def test_acceptance_benchmark_smallest_configuration_runs(bench, tmp_path):
     assert [results["variants"][n]["K"] for n in ("mtp K=D", "mtp K=2D")] == [3, 6]
     assert lines[0].startswith("| variant |") and sum(line.startswith(("| dflash", "| mtp")) for line in lines) == 4
     assert (tmp_path / "work" / "results.json").exists()
+
+
+def test_acceptance_benchmark_runs_on_the_nemotron_h_target(bench, tmp_path):
+    """The Nemotron-H target's rows (Mamba state rolled back in the reference decoder, MTP heads trained and
+    exported beside its native-named LLM): one seed, DFlash2 and MTP, greedy equal, counters consistent."""
+    from dflash_train.testing.demo_data import varied_sentences, write_demo_data
+
+    _, acceptance = bench
+    train, test = write_demo_data(tmp_path / "data", 10, 2, jobs=1, sentences=varied_sentences(10))
+    results = acceptance.run(
+        NEMOTRON_H_TARGET, steps=2, label_limit=8, eval_limit=None, seeds=[0], max_new_tokens=24,
+        variants=["dflash2", "mtp"], work=tmp_path / "work", cuts=(train, test),
+    )
+    assert results["K"] == 7 and results["failures"] == 0 and results["samples_evaluated"] == 2
+    assert list(results["variants"]) == ["dflash2", "mtp K=D", "mtp K=2D"]
+    for row in results["variants"].values():
+        assert row["greedy_equal"] and list(row["per_seed"]) == ["0"]
+        seed_row = row["per_seed"]["0"]
+        accepted = [p["accepted"] for p in seed_row["per_position"]]
+        assert seed_row["mal"] == pytest.approx(1 + sum(accepted) / seed_row["rounds"])
+        assert seed_row["wer"] == results["target_wer"]
 
 
 def test_a_method_wins_only_beyond_two_standard_errors(bench):

@@ -37,6 +37,7 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from dflash_train.constants import AUDIO_LOCATOR_TAG, CONFIG_FILE, LLM_BACKBONE_DIR, SALM_ARCHITECTURE, WEIGHTS_FILE
 from dflash_train.target.vllm_export import EMBEDDED_ASR
@@ -55,11 +56,12 @@ class TinyMTPSpec:
     backbone_pattern: str = "*-*-"  # Nemotron-H blocks M, *, -, E; vLLM-CPU needs "****" (see docs/serving.md)
     native_names: bool = False  # write SALMAutomodel's native names (nemo_automodel's modules) instead of HF's
     mtp_pattern: str = "*"  # one attention sublayer per MTP step (NeMo's default)
-    heads: int = 2  # mtp.num_nextn_predict_layers
+    heads: int = 2  # mtp.num_nextn_predict_layers; 0 writes a SpeechLM without MTP heads
     distinct: bool = False  # store `heads` separate steps instead of one repeated step
     echo: bool = False  # the MTP step proposes its input token
     echo_attention_std: float = 0.0  # > 0: the echo head's attention and hidden input also act (weakly)
-    weight_std: float = 0.28  # random layer weights: greedy output repeats tokens now and then, not always
+    weight_std: float | None = 0.28  # random layer weights: greedy output repeats tokens now and then, not always;
+    # None: every LLM weight is HF's own initialisation (a target about to be trained)
     sizes: TinySALMSpec = TinySALMSpec()
 
 
@@ -195,24 +197,29 @@ def _perception_weights(spec: TinyMTPSpec) -> tuple[dict, dict]:
     return {f"perception.{k}": v.detach().clone() for k, v in module.state_dict().items()}, config
 
 
-def build_tiny_mtp_salm(out_dir: str | Path, spec: TinyMTPSpec = TinyMTPSpec()) -> Path:
+def build_tiny_mtp_salm(out_dir: str | Path, spec: TinyMTPSpec = TinyMTPSpec(),
+                        tokenizer_corpus: Sequence[str] | None = None) -> Path:
     """Write the tiny MTP SpeechLM to ``out_dir`` (vLLM-ready); deterministic given ``spec.sizes.seed``.
 
     The target part (perception, backbone) depends only on the seed and the backbone pattern, so
     checkpoints that differ in ``heads``, ``distinct`` or ``echo`` serve the same target output.
+    ``tokenizer_corpus``: the texts the BPE tokenizer is trained on (default: the builder's own sentences).
     """
     import torch
     from safetensors.torch import save_file
 
-    if spec.heads < 1:
-        raise ValueError(f"heads={spec.heads}: an MTP checkpoint has at least one head")
+    if spec.heads < 0:
+        raise ValueError(f"heads={spec.heads}: a SpeechLM has zero or more MTP heads")
     out_dir = Path(out_dir).resolve()
     if spec.backbone == "qwen3":
+        if spec.heads < 1 or tokenizer_corpus is not None:
+            raise ValueError("the qwen3 backbone is the demo's target with MTP heads beside it: heads >= 1, "
+                             "its own tokenizer")
         return _qwen3_salm_with_heads(out_dir, spec)
     if spec.backbone != "nemotron_h":
         raise ValueError(f"backbone={spec.backbone!r}: the tiny builder writes nemotron_h or qwen3")
     (out_dir / LLM_BACKBONE_DIR).mkdir(parents=True, exist_ok=True)
-    tok = _train_tokenizer(out_dir, spec.sizes.tokenizer_vocab)
+    tok = _train_tokenizer(out_dir, spec.sizes.tokenizer_vocab, tokenizer_corpus)
     vocab_size = len(tok) + spec.sizes.spare_embedding_rows
     backbone = _backbone_config(spec, vocab_size, tok)
     backbone.save_pretrained(out_dir / LLM_BACKBONE_DIR)
@@ -220,15 +227,21 @@ def build_tiny_mtp_salm(out_dir: str | Path, spec: TinyMTPSpec = TinyMTPSpec()) 
     # separate streams: checkpoints that differ only in their MTP heads share the same target
     generator = torch.Generator().manual_seed(spec.sizes.seed)
     hf_init = {}
-    if set(spec.backbone_pattern) & {"M", "E"}:
+    if set(spec.backbone_pattern) & {"M", "E"} or spec.weight_std is None:
         from transformers import NemotronHForCausalLM
 
         torch.manual_seed(spec.sizes.seed)
         hf_init = NemotronHForCausalLM(backbone).state_dict()
-    weights = _llm_weights(spec, vocab_size, generator, hf_init)
-    if spec.native_names:
-        weights = _native(weights)
-    weights.update(_mtp_weights(spec, torch.Generator().manual_seed(spec.sizes.seed + 1)))
+    if spec.weight_std is None:  # HF's initialisation, under HF's names or SALMAutomodel's native ones
+        from dflash_train.target.nemotron_h import native_llm_state
+
+        weights = native_llm_state(hf_init) if spec.native_names else {f"llm.{k}": v for k, v in hf_init.items()}
+    else:
+        weights = _llm_weights(spec, vocab_size, generator, hf_init)
+        if spec.native_names:
+            weights = _native(weights)
+    if spec.heads:
+        weights.update(_mtp_weights(spec, torch.Generator().manual_seed(spec.sizes.seed + 1)))
     perception, perception_config = _perception_weights(spec)
     weights.update(perception)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out_dir / WEIGHTS_FILE))
@@ -242,7 +255,7 @@ def build_tiny_mtp_salm(out_dir: str | Path, spec: TinyMTPSpec = TinyMTPSpec()) 
         "audio_locator_tag": AUDIO_LOCATOR_TAG,
         "prompt_format": "qwen",
         "perception": perception_config,
-        "mtp": _mtp_block(spec),
+        **({"mtp": _mtp_block(spec)} if spec.heads else {}),
     }
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     return out_dir
