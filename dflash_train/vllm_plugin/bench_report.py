@@ -10,6 +10,10 @@ engine, or finished without ``stop``/``length``) contributes to no latency, toke
 acceptance counter, equality check or WER. Acceptance is pooled from vLLM's per-request
 spec-decode metrics of the completed requests, so a failed request's partial rounds are
 excluded exactly; the engine-wide counters over the same phase are kept as a cross-check.
+A running server (``--endpoint``) exposes no per-request rounds: there acceptance is the
+server's counter difference over each phase, attributed to the measured requests only when the
+server finished exactly those requests meanwhile (``Phase.counters_attributed``; otherwise
+failed requests or other traffic are in it and the row is provisional).
 Throughput divides completed requests' tokens by the phase's wall time, which includes
 whatever time failed requests took: with any failure it is marked provisional.
 """
@@ -69,6 +73,7 @@ class Phase:
     requests: list[ServedRequest]
     rejected: list[RequestFailure] = field(default_factory=list)  # refused by the engine when submitted
     engine_counters: Optional[dict] = None  # vLLM's engine-wide counter deltas over the phase (AcceptanceCounters fields)
+    counters_attributed: Optional[bool] = None  # endpoint mode: the server finished exactly the measured requests
 
     def completed(self) -> list[ServedRequest]:
         return [r for r in self.requests if r.completed]
@@ -146,17 +151,27 @@ class ServeBenchReport:
 
     def counters(self, config: str, concurrency: int) -> Optional[AcceptanceCounters]:
         """Acceptance pooled over the completed requests of every repeat (greedy decoding makes the repeats'
-        tokens equal, but batching can split rounds differently, so no repeat stands for the others)."""
+        tokens equal, but batching can split rounds differently, so no repeat stands for the others); from a
+        server, which reports no per-request rounds, the sum of every repeat's counter differences."""
         spec = self.config(config)
         phases = self.phases_of(config, concurrency)
         if spec.num_speculative_tokens is None or not phases:
             return None
+        if self.counters_from_server(config):
+            if any(p.engine_counters is None for p in phases):
+                return None
+            return AcceptanceCounters.pooled(spec.num_speculative_tokens,
+                                             (AcceptanceCounters(**p.engine_counters) for p in phases))
         counters = AcceptanceCounters(spec.num_speculative_tokens)
         for phase in phases:
             for request in phase.completed():
                 for drafted, accepted in zip(request.drafted_per_round or [], request.accepted_per_round or []):
                     counters.observe(drafted, accepted)
         return counters
+
+    def counters_from_server(self, config: str) -> bool:
+        """Whether ``config``'s acceptance comes from a server's counters (endpoint mode) rather than per request."""
+        return any(p.counters_attributed is not None for p in self.phases if p.config == config)
 
     def stops_paying(self, config: str, rows: Optional[list[Summary]] = None) -> Optional[int]:
         """The lowest measured concurrency at which ``config`` serves fewer output tokens/s than target-only at
@@ -180,7 +195,8 @@ class ServeBenchReport:
         rps = [len(p.completed()) / p.seconds for p in phases]
         counters = self.counters(config, concurrency)
         engine_match = None
-        if counters is not None and all(p.engine_counters is not None for p in phases):
+        if counters is not None and not self.counters_from_server(config) and all(
+                p.engine_counters is not None for p in phases):
             engine_match = (sum(p.engine_counters["rounds"] for p in phases),
                             sum(p.engine_counters["accepted"] for p in phases)) == (counters.rounds, counters.accepted)
         greedy, mismatched = None, []
@@ -221,8 +237,17 @@ class ServeBenchReport:
             wer=wer.to_dict(),
             speedup=speedup,
             speedup_per_repeat=per_repeat,
-            provisional=bool(failed or self.data_failures) or engine_match is False,
+            provisional=bool(failed or self.data_failures) or engine_match is False
+            or any(p.counters_attributed is False for p in phases),
         )
+
+    def adopt_baseline(self, baseline: "ServeBenchReport") -> None:
+        """Take the target-only configuration and measurements of an earlier report of the same requests
+        (:func:`check_comparable` first) as this report's baseline: speed-up and greedy equality use them."""
+        if any(c.name == TARGET_ONLY for c in self.configs):
+            raise ValueError("this report measured its own target-only baseline")
+        self.configs.insert(0, baseline.config(TARGET_ONLY))
+        self.phases = [p for p in baseline.phases if p.config == TARGET_ONLY] + self.phases
 
     def summaries(self) -> list[Summary]:
         return [self.summary(c.name, n) for c in self.served() for n in self.concurrencies if self.phases_of(c.name, n)]
@@ -283,13 +308,23 @@ class ServeBenchReport:
         rows = self.summaries()
         provisional = any(summary.provisional for summary in rows)
         status = " — PROVISIONAL (failed requests excluded)" if provisional else ""
+        if s.get("mode") == "endpoint":
+            servers = ", ".join(f"{name} `{url}`" for name, url in s["endpoints"].items())
+            where = (f"Running servers ({servers}; vLLM {s.get('vllm_version') or '?'}), model `{s['target']}`, "
+                     f"{len(self.references)} of {self.expected} requests from `{s['input']}`, greedy, max "
+                     f"{s['max_tokens']} tokens, streamed, {s['repeats']} repeat(s) (servers interleaved), "
+                     f"{s['warmup']} warm-up request(s) per server (not measured)"
+                     + (f"; target-only from `{s['baseline_report']}`" if s.get("baseline_report") else "") + ".")
+        else:
+            where = (f"Target `{s['target']}`, {len(self.references)} of {self.expected} requests from `{s['input']}`, "
+                     f"greedy, max {s['max_tokens']} tokens, {s['dtype']} on {s['device']}, vLLM "
+                     f"{s.get('vllm_version', '?')}, {s['repeats']} repeat(s) (configurations interleaved), "
+                     f"{s['warmup']} warm-up request(s) per engine (not measured), engine `max_num_seqs` "
+                     f"{s['max_num_seqs']}.")
         lines = [
             f"# dflash-serve-bench{status}",
             "",
-            f"Target `{s['target']}`, {len(self.references)} of {self.expected} requests from `{s['input']}`, "
-            f"greedy, max {s['max_tokens']} tokens, {s['dtype']} on {s['device']}, vLLM {s.get('vllm_version', '?')}, "
-            f"{s['repeats']} repeat(s) (configurations interleaved), {s['warmup']} warm-up request(s) per engine "
-            f"(not measured), engine `max_num_seqs` {s['max_num_seqs']}.",
+            where,
             "",
             "| config | export step | K | concurrency | output tok/s | per-user tok/s | req/s | speed-up "
             "| latency p50 / p90 / p99 (s) | TTFT p50 (s) | TPOT p50 (ms) | MAL | acceptance@1..K | greedy = target "
@@ -320,6 +355,10 @@ class ServeBenchReport:
             if summary.mismatched_ids:
                 notes.append(f"- {summary.config} at concurrency {summary.concurrency}: output differs from "
                              f"target-only on {', '.join(summary.mismatched_ids)}")
+            if any(p.counters_attributed is False for p in self.phases_of(summary.config, summary.concurrency)):
+                notes.append(f"- {summary.config} at concurrency {summary.concurrency}: the server finished other "
+                             "requests than the measured ones during the phase (other traffic or failures): its "
+                             "counters are not these requests' alone")
             if summary.engine_counters_match is False:
                 notes.append(f"- {summary.config} at concurrency {summary.concurrency}: vLLM's engine-wide counters "
                              "include rounds of failed requests; MAL above is scoped to the completed ones")
@@ -338,9 +377,13 @@ class ServeBenchReport:
                 f"{s.config}@{s.concurrency} " + ", ".join(f"{x:.2f}" for x in s.speedup_per_repeat)
                 for s in rows if s.speedup_per_repeat
             ) + ".",
-            f"MAL and acceptance@k pooled over the completed requests' draft rounds (vLLM per-request "
-            f"spec-decode metrics; K={'/'.join(map(str, k_values)) or '—'}); acceptance@k = accepted@k / proposed@k. "
-            f"WER after {NORMALIZER}.",
+            (f"MAL and acceptance@k from the server's spec-decode counters (Prometheus /metrics), their difference "
+             f"over each phase summed over repeats; a phase in which the server finished other requests too is "
+             f"provisional (K={'/'.join(map(str, k_values)) or '—'})"
+             if any(self.counters_from_server(c.name) for c in self.served()) else
+             f"MAL and acceptance@k pooled over the completed requests' draft rounds (vLLM per-request "
+             f"spec-decode metrics; K={'/'.join(map(str, k_values)) or '—'})")
+            + f"; acceptance@k = accepted@k / proposed@k. WER after {NORMALIZER}.",
         ]
         return "\n".join(lines) + "\n"
 
@@ -422,26 +465,34 @@ COMPARED_SETTINGS = ("input", "max_tokens", "dtype", "prompt_format", "system_pr
 """Settings two reports must share to be compared (with the sample ids and each shared configuration's K)."""
 
 
+def _refusal(names: tuple[str, str], field: str, left, right) -> InputFileError:
+    return InputFileError(f"{names[0]} and {names[1]} differ in {field} ({left!r} vs {right!r}): compare reports "
+                          "of identical sample ids, prompts, decoding limits, precision and K")
+
+
+def check_comparable(a: ServeBenchReport, b: ServeBenchReport, names: tuple[str, str] = ("A", "B")) -> None:
+    """:class:`InputFileError` naming the first differing field unless ``a`` and ``b`` served identical sample
+    ids, input, decoding limit, precision, prompt format and system prompt."""
+    ids = [sorted([*r.references, *(f.id for f in r.data_failures)]) for r in (a, b)]
+    if ids[0] != ids[1]:
+        only = sorted(set(ids[0]) ^ set(ids[1]))
+        raise _refusal(names, "sample ids", f"{len(ids[0])} ids", f"{len(ids[1])} ids, e.g. {only[0]} in one only")
+    for key in COMPARED_SETTINGS:
+        if a.settings.get(key) != b.settings.get(key):
+            raise _refusal(names, key, a.settings.get(key), b.settings.get(key))
+
+
 def compare_reports(a: ServeBenchReport, b: ServeBenchReport, names: tuple[str, str] = ("A", "B")) -> str:
     """The delta table of report ``b`` against report ``a`` (a baseline and an adapted draft, say), per shared
     configuration and concurrency: MAL, acceptance per position, throughput, latency, WER, and the sample ids
     whose greedy output differs between the two. :class:`InputFileError` naming the first differing field when
     the two did not serve identical sample ids, inputs, limits, precision or K."""
-    def refuse(field: str, left, right) -> InputFileError:
-        return InputFileError(f"{names[0]} and {names[1]} differ in {field} ({left!r} vs {right!r}): compare reports "
-                              "of identical sample ids, prompts, decoding limits, precision and K")
-
-    ids = [sorted([*r.references, *(f.id for f in r.data_failures)]) for r in (a, b)]
-    if ids[0] != ids[1]:
-        only = sorted(set(ids[0]) ^ set(ids[1]))
-        raise refuse("sample ids", f"{len(ids[0])} ids", f"{len(ids[1])} ids, e.g. {only[0]} in one only")
-    for key in COMPARED_SETTINGS:
-        if a.settings.get(key) != b.settings.get(key):
-            raise refuse(key, a.settings.get(key), b.settings.get(key))
+    check_comparable(a, b, names)
     shared = [c.name for c in a.served() if c.name in {x.name for x in b.served()}]
     for name in shared:
         if a.config(name).num_speculative_tokens != b.config(name).num_speculative_tokens:
-            raise refuse(f"K of {name}", a.config(name).num_speculative_tokens, b.config(name).num_speculative_tokens)
+            raise _refusal(names, f"K of {name}", a.config(name).num_speculative_tokens,
+                           b.config(name).num_speculative_tokens)
     lines = [f"# dflash-serve-bench compare: {names[1]} against {names[0]}", "",
              "| config | concurrency | MAL | Δ acceptance@1..K | output tok/s | latency p50 (s) | WER | greedy differs |",
              "|---|---:|---|---|---|---|---|---|"]

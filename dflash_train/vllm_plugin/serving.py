@@ -49,7 +49,8 @@ class Request:
     """One prompt: its id, the rendered chat prompt (one audio placeholder per audio) and the audio.
 
     ``index`` is the record's place in its input, ``reference`` the reply the record holds
-    (the transcript WER is scored against).
+    (the transcript WER is scored against), ``messages`` the turns the prompt renders
+    (``role``, ``content`` with the placeholders), what a server's chat endpoint is sent.
     """
 
     id: str
@@ -57,6 +58,7 @@ class Request:
     audios: list[np.ndarray]
     index: int = 0
     reference: str = ""
+    messages: tuple = ()
 
     def engine_input(self) -> dict:
         """The prompt as vLLM's ``generate`` / ``add_request`` take it."""
@@ -110,10 +112,9 @@ def read_serving_requests(
         messages = chat.messages(conversation)
         while messages and messages[-1].role == "assistant":
             messages.pop()
-        prompt = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], tokenize=False, add_generation_prompt=True
-        )
-        out.append(Request(conversation.id, prompt, audios, index, last_reply(conversation)))
+        turns = tuple({"role": m.role, "content": m.content} for m in messages)
+        prompt = tokenizer.apply_chat_template(list(turns), tokenize=False, add_generation_prompt=True)
+        out.append(Request(conversation.id, prompt, audios, index, last_reply(conversation), turns))
     return out
 
 

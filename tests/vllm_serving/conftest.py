@@ -23,6 +23,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -50,6 +57,44 @@ def _repo_path(value: str) -> Path:
 def _path(variable: str, default: str) -> Path:
     """``$variable`` or ``default``; relative paths are relative to the repository."""
     return _repo_path(os.environ.get(variable, default))
+
+
+SERVER_STARTUP_SECONDS = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_server(args: list[str], log: Path):
+    """vLLM's OpenAI server started as ``python <args> --port <free port>``, once ``/health`` answers; yields
+    its base URL and stops it on exit. A server that exits or never answers fails the test with its log."""
+    port = _free_port()
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, *args, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_STARTUP_SECONDS
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"the server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=5).read()
+                break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"no server after {SERVER_STARTUP_SECONDS} s:\n{log.read_text()[-3000:]}")
+                time.sleep(2)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -230,3 +275,26 @@ def untrained_run(served_target, serving_requests, untrained_export):
 @pytest.fixture(scope="session")
 def trained_run(served_target, serving_requests, trained_dflash_export):
     return _speculative_run(served_target, serving_requests, trained_dflash_export, "trained DFlash draft (demo)")
+
+
+BENCH_REQUESTS = 4
+BENCH_MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="session")
+def in_process_bench(served_target, trained_dflash_export, dflash2_export, validation_cuts, tmp_path_factory,
+                     serving_reports):
+    """``dflash-serve-bench`` in-process on the demo's target, DFlash and DFlash2 drafts and --mtp 2 (exit code,
+    output directory, report): the bench tests and the endpoint tests' reference."""
+    from dflash_train.cli.serve_bench import main as serve_bench
+    from dflash_train.vllm_plugin.bench_report import ServeBenchReport
+
+    out = tmp_path_factory.mktemp("serve_bench")
+    code = serve_bench([
+        "--target", str(served_target), "--draft", f"dflash={trained_dflash_export}",
+        "--draft", f"dflash2={dflash2_export}", "--mtp", "2", "--cuts", str(validation_cuts),
+        "--limit", str(BENCH_REQUESTS), "--max-tokens", str(BENCH_MAX_TOKENS), "--concurrency", "1,4",
+        "--warmup", "1", "--dtype", "float32", "--out", str(out),
+    ])
+    serving_reports.append((out / "report.md").read_text())
+    return code, out, ServeBenchReport.read_json(out / "report.json")

@@ -15,23 +15,14 @@ import pytest
 from dflash_train.cli.serve_bench import main as serve_bench
 from dflash_train.vllm_plugin.bench_report import TARGET_ONLY, ServeBenchReport
 
+from conftest import BENCH_MAX_TOKENS as MAX_TOKENS
+from conftest import BENCH_REQUESTS as REQUESTS
 from test_serving import DFLASH2_CPU_LIMITATION
-
-REQUESTS = 4
-MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def bench(served_target, trained_dflash_export, dflash2_export, validation_cuts, tmp_path_factory, serving_reports):
-    out = tmp_path_factory.mktemp("serve_bench")
-    code = serve_bench([
-        "--target", str(served_target), "--draft", f"dflash={trained_dflash_export}",
-        "--draft", f"dflash2={dflash2_export}", "--mtp", "2", "--cuts", str(validation_cuts),
-        "--limit", str(REQUESTS), "--max-tokens", str(MAX_TOKENS), "--concurrency", "1,4", "--warmup", "1",
-        "--dtype", "float32", "--out", str(out),
-    ])
-    serving_reports.append((out / "report.md").read_text())
-    return code, out, ServeBenchReport.read_json(out / "report.json")
+def bench(in_process_bench):
+    return in_process_bench
 
 
 def test_the_report_has_every_configuration_at_every_concurrency(bench):

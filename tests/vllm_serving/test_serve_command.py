@@ -11,11 +11,6 @@ import base64
 import gzip
 import json
 import shlex
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
 import urllib.request
 
 import pytest
@@ -23,13 +18,7 @@ import pytest
 from dflash_train.evaluate.wer import normalize
 from dflash_train.target.vllm_export import draft_speculative_tokens, serve_command
 
-STARTUP_SECONDS = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from conftest import running_server
 
 
 def _get(url: str, timeout: float = 5) -> bytes:
@@ -42,30 +31,8 @@ def server(served_target, trained_dflash_export, tmp_path_factory):
     line = serve_command(served_target, trained_dflash_export, draft_speculative_tokens(trained_dflash_export), cpu=True)
     argv = shlex.split(line)
     assert argv[0] == "python"
-    port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, *argv[1:], "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"the printed serve command exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                _get(f"{base}/health")
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"no server after {STARTUP_SECONDS} s:\n{log.read_text()[-3000:]}")
-                time.sleep(2)
+    with running_server(argv[1:], tmp_path_factory.mktemp("server") / "server.log") as base:
         yield base, str(served_target)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def test_the_printed_cpu_serve_command_transcribes_audio_with_speculation(server, validation_cuts):
