@@ -1,7 +1,7 @@
 """Serving benchmark on the reference target: throughput, latency and speed-up of its trained DFlash draft in vLLM.
 
-    .venv-vllm/bin/python benchmarks/serve_bench.py [--draft DIR] [--limit 100] [--concurrency 1,4,16] \\
-        [--repeats 2] [--max-tokens 64] [--dtype bfloat16]
+    .venv-vllm/bin/python benchmarks/serve_bench.py [--draft DIR] [--limit 100] [--concurrency 1,2,4,8,16,32,64] \\
+        [--repeats 2] [--max-tokens 64] [--dtype bfloat16] [--endpoint]
 
 Runs ``dflash-serve-bench`` (the real CLI) on the stored reference target
 (``benchmarks/reference_target``, exported vLLM-ready into ``benchmarks/.work/serve_bench/target``)
@@ -15,12 +15,25 @@ The drafts default to the exports ``benchmarks/acceptance.py`` trains
 ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/acceptance.py --seeds 42 --variants dflash dflash2``). The corpus is
 rebuilt when missing. The report goes to ``benchmarks/.work/serve_bench/`` (git-ignored);
 docs/benchmarks.md has the figures.
+
+``--endpoint`` measures the same thing through running servers instead: it starts two ``vllm serve``
+processes (vLLM's OpenAI server, the CPU flags the demo prints, with the engine settings the
+in-process bench uses: eager, no prefix or multimodal-processor cache, the same dtype), one for the
+target alone and one with the DFlash draft, benches them with ``dflash-serve-bench --endpoint
+dflash=URL --baseline-endpoint URL`` and stops them; the report goes to ``.../serve_bench/endpoint``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,17 +47,55 @@ DEFAULT_DRAFT = WORK / "acceptance" / "runs" / "dflash-s42" / "export"  # benchm
 DEFAULT_DFLASH2 = WORK / "acceptance" / "runs" / "dflash2-s42" / "export"
 
 
+SERVER_STARTUP_SECONDS = 300
+
+
+@contextmanager
+def server(target: Path, dtype: str, log: Path, speculative_config: dict | None = None):
+    """A ``vllm serve`` of ``target`` (with ``speculative_config``) on a free port, configured as the in-process
+    bench configures its engine; yields its base URL once ``/health`` answers, stops it on exit."""
+    from dflash_train.target.vllm_export import CPU_SERVER, CPU_SERVER_ARGS
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = [sys.executable, *shlex.split(CPU_SERVER)[1:], str(target), "--trust-remote-code", "--port", str(port),
+            "--dtype", dtype, "--enforce-eager", "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0",
+            *[arg for key, value in CPU_SERVER_ARGS.items() for arg in (f"--{key.replace('_', '-')}", str(value))]]
+    if speculative_config is not None:
+        argv += ["--speculative-config", json.dumps(speculative_config)]
+    with open(log, "w") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_STARTUP_SECONDS
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not start (see {log})")
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=5).read()
+                break
+            except OSError:
+                time.sleep(2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default=str(DEFAULT_DRAFT), help="DFlash export trained on the reference target")
     parser.add_argument("--dflash2", default=str(DEFAULT_DFLASH2), help="DFlash2 export (skipped when missing)")
     parser.add_argument("--limit", type=int, default=100, help="held-out utterances served (default all 100)")
-    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", default=str(OUT / "report"))
+    parser.add_argument("--out", default=None, help="default: benchmarks/.work/serve_bench/report (or endpoint)")
+    parser.add_argument("--endpoint", action="store_true", help="bench two running vllm serve processes instead")
     args = parser.parse_args(argv)
+    out = args.out or str(OUT / ("endpoint" if args.endpoint else "report"))
 
     from dflash_train.cli.serve_bench import main as serve_bench
     from dflash_train.target.vllm_export import export_target
@@ -57,12 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     target = OUT / "target"
     if not (target / "config.json").exists():
         export_target(TARGET_DIR, target)
+    common = ["--target", str(target), "--cuts", str(held_out), "--limit", str(args.limit), "--max-tokens",
+              str(args.max_tokens), "--concurrency", args.concurrency, "--repeats", str(args.repeats), "--out", out]
+    if args.endpoint:
+        from dflash_train.target.vllm_export import draft_speculative_tokens
+
+        spec = {"method": "dflash", "model": str(Path(args.draft).resolve()),
+                "num_speculative_tokens": draft_speculative_tokens(args.draft)}
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with ExitStack() as servers:
+            baseline = servers.enter_context(server(target, args.dtype, Path(out) / "target_only_server.log"))
+            draft = servers.enter_context(server(target, args.dtype, Path(out) / "dflash_server.log", spec))
+            return serve_bench(["--endpoint", f"dflash={draft}", "--baseline-endpoint", baseline, *common])
     dflash2 = ["--draft", f"dflash2={args.dflash2}"] if (Path(args.dflash2) / "config.json").exists() else []
-    return serve_bench([
-        "--target", str(target), "--draft", f"dflash={args.draft}", *dflash2, "--cuts", str(held_out),
-        "--limit", str(args.limit), "--max-tokens", str(args.max_tokens), "--concurrency", args.concurrency,
-        "--repeats", str(args.repeats), "--dtype", args.dtype, "--out", args.out,
-    ])
+    return serve_bench(["--draft", f"dflash={args.draft}", *dflash2, "--dtype", args.dtype, *common])
 
 
 if __name__ == "__main__":
