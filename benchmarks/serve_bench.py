@@ -28,12 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,40 +43,18 @@ DEFAULT_DRAFT = WORK / "acceptance" / "runs" / "dflash-s42" / "export"  # benchm
 DEFAULT_DFLASH2 = WORK / "acceptance" / "runs" / "dflash2-s42" / "export"
 
 
-SERVER_STARTUP_SECONDS = 300
-
-
-@contextmanager
 def server(target: Path, dtype: str, log: Path, speculative_config: dict | None = None):
-    """A ``vllm serve`` of ``target`` (with ``speculative_config``) on a free port, configured as the in-process
-    bench configures its engine; yields its base URL once ``/health`` answers, stops it on exit."""
+    """A ``vllm serve`` of ``target`` (with ``speculative_config``), configured as the in-process bench configures
+    its engine (the package's launcher: yields its base URL, stops it on exit)."""
     from dflash_train.target.vllm_export import CPU_SERVER, CPU_SERVER_ARGS
+    from dflash_train.vllm_plugin.endpoint import launched_server
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    argv = [sys.executable, *shlex.split(CPU_SERVER)[1:], str(target), "--trust-remote-code", "--port", str(port),
+    argv = [sys.executable, *shlex.split(CPU_SERVER)[1:], str(target), "--trust-remote-code",
             "--dtype", dtype, "--enforce-eager", "--no-enable-prefix-caching", "--mm-processor-cache-gb", "0",
             *[arg for key, value in CPU_SERVER_ARGS.items() for arg in (f"--{key.replace('_', '-')}", str(value))]]
     if speculative_config is not None:
         argv += ["--speculative-config", json.dumps(speculative_config)]
-    with open(log, "w") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_STARTUP_SECONDS
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve did not start (see {log})")
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=5).read()
-                break
-            except OSError:
-                time.sleep(2)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
+    return launched_server(argv, log)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,11 +21,15 @@ from __future__ import annotations
 import base64
 import io
 import json
+import socket
+import subprocess
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
 
 from dflash_train.constants import SAMPLE_RATE
 from dflash_train.evaluate.requests import RequestFailure
@@ -39,6 +43,7 @@ from dflash_train.vllm_plugin.bench_report import ServedRequest
 from dflash_train.vllm_plugin.serving import Request
 
 PROBE_SECONDS = 10.0
+SERVER_STARTUP_SECONDS = 300.0
 COUNTER_SETTLE_SECONDS = 10.0  # vLLM records a step's statistics just after it streams the step's tokens
 
 
@@ -186,3 +191,34 @@ def settled_metrics(url: str, before: MetricsSnapshot, finished: int) -> Metrics
         if now.finished - before.finished >= finished or time.monotonic() > deadline:
             return now
         time.sleep(0.05)
+
+
+@contextmanager
+def launched_server(argv: Sequence[str], log: Path, startup_seconds: float = SERVER_STARTUP_SECONDS) -> Iterator[str]:
+    """Start vLLM's OpenAI server as ``argv --port <free port>`` (its output to ``log``) and yield its base URL once
+    ``/health`` answers; stopped on exit. :class:`EndpointError` naming ``log`` when it exits or never answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with open(log, "w") as out:
+        process = subprocess.Popen([*argv, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_seconds
+        while True:
+            if process.poll() is not None:
+                raise EndpointError(f"the server exited with {process.returncode} (log: {log})")
+            try:
+                _get(f"{url}/health", 5)
+                break
+            except (urllib.error.URLError, OSError):
+                if time.monotonic() > deadline:
+                    raise EndpointError(f"no server answered within {startup_seconds:.0f} s (log: {log})") from None
+                time.sleep(2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()

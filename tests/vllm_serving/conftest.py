@@ -23,12 +23,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -59,42 +54,17 @@ def _path(variable: str, default: str) -> Path:
     return _repo_path(os.environ.get(variable, default))
 
 
-SERVER_STARTUP_SECONDS = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def running_server(args: list[str], log: Path):
-    """vLLM's OpenAI server started as ``python <args> --port <free port>``, once ``/health`` answers; yields
-    its base URL and stops it on exit. A server that exits or never answers fails the test with its log."""
-    port = _free_port()
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, *args, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    """vLLM's OpenAI server started as ``python <args>`` (the package's launcher); yields its base URL. A server
+    that exits or never answers fails the test with the end of its log."""
+    from dflash_train.vllm_plugin.endpoint import EndpointError, launched_server
+
     try:
-        deadline = time.monotonic() + SERVER_STARTUP_SECONDS
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"the server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=5).read()
-                break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                if time.monotonic() > deadline:
-                    pytest.fail(f"no server after {SERVER_STARTUP_SECONDS} s:\n{log.read_text()[-3000:]}")
-                time.sleep(2)
-        yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        with launched_server([sys.executable, *args], log) as base:
+            yield base
+    except EndpointError as err:
+        pytest.fail(f"{err}:\n{log.read_text()[-3000:]}")
 
 
 def pytest_terminal_summary(terminalreporter):
