@@ -58,6 +58,8 @@ SERVING_ANCHORS = ("dflash.serving_anchor_fraction=0.5", "dflash.serving_anchor_
 KL = ("dflash.loss_ce_weight=0", "dflash.loss_kl_weight=1")  # distillation alone (docs/training.md, Choose the loss)
 KL_TV = KL + ("dflash.loss_tv_weight=1",)
 CE_KL = ("dflash.loss_ce_weight=0.5", "dflash.loss_kl_weight=0.5")
+# the on-policy stage over the last third of the default 600 steps, mining each batch every other step
+ON_POLICY = ("dflash.on_policy_from_step=400", "dflash.serving_anchor_every=2")
 
 # name -> (draft variant, training data, label_source, extra recipe overrides)
 VARIANTS = {
@@ -74,6 +76,8 @@ VARIANTS = {
     "dflash2+kl": ("dflash2", "offline", "ground_truth", KL),
     "dflash2+kl_tv": ("dflash2", "offline", "ground_truth", KL_TV),
     "mtp+kl": ("mtp", "offline", "ground_truth", KL),
+    "dflash+on_policy": ("dflash", "offline", "ground_truth", ON_POLICY),
+    "dflash2+on_policy": ("dflash2", "offline", "ground_truth", ON_POLICY),
 }
 # the distillation comparison (docs/benchmarks.md): about an hour on 2 cores at 600 steps and 3 seeds
 DEFAULT_VARIANTS = ["dflash", "dflash+kl", "dflash+kl_tv", "dflash2", "dflash2+kl_tv"]

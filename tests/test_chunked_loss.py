@@ -292,3 +292,97 @@ def test_a_distilling_step_on_a_batch_without_anchors_runs_the_placeholder(tiny_
     assert placeholder.teacher_hidden.shape == (1, placeholder.input_ids.shape[1], tiny_target.hidden_size)
     metrics = module.run_core(placeholder, rng_key=1)
     assert torch.isfinite(metrics.loss)
+
+
+@pytest.mark.parametrize("temperature, chunk, multiplier, softcap", [(1.0, 1, 1.0, None), (2.0, 7, 0.5, 3.0)])
+def test_reverse_kl_rows_equal_the_direct_computation(temperature, chunk, multiplier, softcap):
+    """The on-policy stage's reverse KL, ``τ²·KL(q_τ ‖ p_τ)`` at the positions given a reverse weight, next to CE at
+    the others: loss and gradient against torch's ``kl_div`` with the roles swapped and autograd."""
+    head, hidden, targets, weights = _case()
+    teacher = _teacher_rows()
+    generator = torch.Generator().manual_seed(5)
+    reverse = torch.rand(weights.shape, generator=generator) * (weights == 0) * (torch.rand(weights.shape) > 0.5)
+    terms = LossTerms(ce=1.0, temperature=temperature, reverse_kl=0.6)
+
+    student = _transform(head(hidden), multiplier, softcap)
+    teacher_logits = _transform(head(teacher.hidden[teacher.index]), multiplier, softcap)
+    log_q = (student / temperature).log_softmax(dim=-1)
+    log_p = (teacher_logits / temperature).log_softmax(dim=-1)
+    backward_kl = F.kl_div(log_p, log_q, reduction="none", log_target=True).sum(dim=-1)  # KL(q ‖ p)
+    ce = F.cross_entropy(student.flatten(0, -2), targets.flatten(), reduction="none").view_as(weights)
+    expected = (ce * weights).sum() + 0.6 * temperature**2 * (backward_kl * reverse).sum()
+    (expected_grad,) = torch.autograd.grad(expected, hidden)
+
+    result = chunked_head_loss(hidden, head, targets, weights, chunk, multiplier=multiplier, softcap=softcap,
+                               max_positions=weights.numel(), terms=terms, teacher=teacher, reverse_weights=reverse)
+    (grad,) = torch.autograd.grad(result.weighted_loss, hidden)
+    assert float(reverse.sum()) > 1 and float((reverse * weights).sum()) == 0
+    torch.testing.assert_close(result.weighted_loss, expected, rtol=1e-5, atol=0)
+    assert relative_difference(grad, expected_grad) <= 1e-5
+    assert (grad[(weights == 0) & (reverse == 0)] == 0).all()
+    with pytest.raises(ValueError, match="reverse_weights without a reverse_kl term"):
+        chunked_head_loss(hidden, head, targets, weights, chunk, terms=LossTerms(), reverse_weights=reverse)
+    with pytest.raises(ValueError, match="teacher_top_k"):
+        LossTerms(reverse_kl=1.0, teacher_top_k=3)
+
+
+def test_the_accepted_prefix_ends_at_the_first_rejection():
+    from dflash_train.variants.dflash import accepted_prefix
+
+    targets = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 8, 9]])
+    predictions = torch.tensor([[5, 6, 0, 8, 9], [0, 6, 7, 8, 9], [5, 6, 7, 8, 9], [5, 6, 7, 0, 0]])
+    supervised = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 0, 1, 1]]).bool()
+    accepted, first_rejection = accepted_prefix(predictions, targets, supervised)
+    assert accepted.tolist() == [[1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0]]
+    # row 2 ends unsupervised (the reply's end) and row 3 stops at an unsupervised position: no rejection there
+    assert first_rejection.tolist() == [[0, 0, 1, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
+
+
+ON_POLICY = ("dflash.on_policy_from_step=0", "dflash.on_policy_reverse_kl_weight=0.7")
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_the_on_policy_block_loss_is_the_run_loss_on_the_accepted_prefix_and_reverse_kl_at_the_rejection(
+        tiny_salm_dir, tiny_target, speech_batch, variant):
+    """Same draft, batch and anchors: the on-policy head's loss equals CE on each block's accepted prefix plus
+    0.7·KL(q ‖ p) at its first rejected position, written out from the ordinary step's own predictions and the
+    target's logits at the label's predecessor; the step's statistics (predictions, accept_len) are unchanged."""
+    module, draft = _module(tiny_salm_dir, tiny_target, variant, 5, extra=ON_POLICY)
+    batch = chatml_speech_batch(tiny_target, speech_batch, list(UTTERANCES.values()))
+    inputs = module.prepare(batch.with_placements(tiny_target.audio_locator_tag_id))
+    optimizer = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    for step in range(15):  # some accepted prefixes, so that both kinds of position are present
+        optimizer.zero_grad()
+        module.run_core(inputs, rng_key=step).loss.backward()
+        optimizer.step()
+    captured = {}
+    core = module.core
+    original = core.head_loss
+
+    def capture(hidden, targets, weights, teacher, top_k=0):
+        captured.update(hidden=hidden, targets=targets, weights=weights, teacher=teacher)
+        return original(hidden, targets, weights, teacher, top_k)
+
+    core.head_loss = capture
+    ordinary = module.run_core(inputs, rng_key=5)
+    ordinary_hidden = captured["hidden"]
+    shaped = module.run_core(inputs, rng_key=5, on_policy=True)
+    for field in ("loss_weight", "valid_tokens", "correct_tokens", "accept_len_sum"):
+        assert torch.equal(getattr(shaped, field), getattr(ordinary, field)), field
+
+    hidden, targets, weights, teacher = (captured[key] for key in ("hidden", "targets", "weights", "teacher"))
+    assert torch.equal(hidden, ordinary_hidden)
+    student = module.core.lm_head(hidden.detach()).float()
+    teacher_logits = module.core.lm_head(teacher.hidden[teacher.index]).float()
+    supervised = weights != 0
+    match = (student.argmax(dim=-1) == targets) & supervised
+    accepted = match.long().cumprod(dim=-1)
+    reached = torch.cat([torch.ones_like(accepted[..., :1]), accepted[..., :-1]], dim=-1).bool()
+    rejected = reached & supervised & ~match
+    assert int(accepted.sum()) > 5 and int(rejected.sum()) > 5 and int((supervised & ~reached).sum()) > 5
+    ce = F.cross_entropy(student.flatten(0, -2), targets.flatten(), reduction="none").view_as(weights)
+    reverse = F.kl_div(teacher_logits.log_softmax(-1), student.log_softmax(-1), reduction="none",
+                       log_target=True).sum(-1)
+    expected = ((ce * accepted + 0.7 * reverse * rejected) * weights).sum()
+    block_loss = shaped.base_loss if variant == "dflash2" else shaped.loss
+    torch.testing.assert_close(block_loss.detach() * (weights.sum() + 1e-6), expected, rtol=1e-4, atol=0)

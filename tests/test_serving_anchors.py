@@ -8,6 +8,9 @@ the checkpoint).
 
 from __future__ import annotations
 
+import csv
+import re
+
 import pytest
 import torch
 from conftest import demo_recipe, same_tensors
@@ -60,17 +63,33 @@ def _recipe(tiny_salm_dir, demo_data, run_dir, steps, *extra):
     return demo_recipe(tiny_salm_dir, demo_data, run_dir, "data.train_ds.batch_tokens=400", f"trainer.max_steps={steps}",
                        "trainer.val_check_interval=4", "trainer.limit_val_batches=1",
                        "exp_manager.checkpoint_every_n_steps=4", "exp_manager.resume_if_exists=true", "dflash=dflash",
+                       "trainer.log_every_n_steps=2",
                        "dflash.num_anchors=8", "dflash.serving_val_samples=0", *extra)
 
 
-def test_serving_anchors_mine_steer_training_and_resume_exactly(tiny_salm_dir, demo_data, tmp_path):
-    option = ["dflash.serving_anchor_fraction=0.5", "dflash.serving_anchor_every=3"]
+SERVING_ANCHORS = ("dflash.serving_anchor_fraction=0.5", "dflash.serving_anchor_every=3")
+ON_POLICY = ("dflash.on_policy_from_step=2", "dflash.serving_anchor_every=1")
+
+
+@pytest.mark.parametrize("option", [SERVING_ANCHORS, ON_POLICY], ids=["serving_anchors", "on_policy"])
+def test_serving_anchors_mine_steer_training_and_resume_exactly(tiny_salm_dir, demo_data, tmp_path, option):
+    """Serving-aware anchors remember post-correction starts; the on-policy stage (from step 2, mining every
+    step) every start, the first round's included, and trains with its own loss; both resume exactly (the
+    on-policy run stops inside the stage) and log the miner's decode time."""
     straight = train(_recipe(tiny_salm_dir, demo_data, tmp_path / "straight", 8, *option))
     stopped = train(_recipe(tiny_salm_dir, demo_data, tmp_path / "resumed", 4, *option))
     checkpoint = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     mined = checkpoint[CHECKPOINT_KEY]
-    assert len(mined) >= 4 and all(starts == sorted(set(starts)) and 0 not in starts for starts in mined.values())
-    assert any(mined.values()), "no round started after a correction: the option would do nothing here"
+    assert len(mined) >= 4 and all(starts == sorted(set(starts)) for starts in mined.values())
+    if option is ON_POLICY:  # mined on steps 2 and 3 only, every round start kept
+        assert all(starts and starts[0] == 0 and len(starts) >= 2 for starts in mined.values())
+    else:
+        assert all(0 not in starts for starts in mined.values())
+        assert any(mined.values()), "no round started after a correction: the option would do nothing here"
+    with open(tmp_path / "straight" / "csv" / "metrics.csv") as handle:
+        decode_times = [float(row["train/mining_seconds"]) for row in csv.DictReader(handle)
+                        if row.get("train/mining_seconds")]
+    assert decode_times and max(decode_times) > 0
     resumed = train(_recipe(tiny_salm_dir, demo_data, tmp_path / "resumed", 8, *option))
     assert stopped.steps == 4 and resumed.steps == 8
     a = load_file(str(straight.export_dir / "model.safetensors"))
@@ -80,6 +99,10 @@ def test_serving_anchors_mine_steer_training_and_resume_exactly(tiny_salm_dir, d
 
     uniform = train(_recipe(tiny_salm_dir, demo_data, tmp_path / "uniform", 8))
     assert not same_tensors(a, load_file(str(uniform.export_dir / "model.safetensors"))), "the option changed nothing"
+    if option is ON_POLICY:  # the stage's loss reaches training: its reverse-KL weight changes the weights
+        plain = train(_recipe(tiny_salm_dir, demo_data, tmp_path / "no_reverse", 8, *option,
+                              "dflash.on_policy_reverse_kl_weight=0"))
+        assert not same_tensors(a, load_file(str(plain.export_dir / "model.safetensors")))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -88,8 +111,19 @@ def test_serving_anchors_mine_steer_training_and_resume_exactly(tiny_salm_dir, d
     (["dflash.serving_anchor_fraction=0.5", "data.train_ds.packing=true", "++data.train_ds.batch_size=null"],
      "dflash.serving_anchor_fraction > 0 needs padded batches"),
     (["dflash=mtp", "dflash.serving_anchor_fraction=0.5"], "dflash.serving_anchor_fraction is a DFlash key the mtp"),
+    (["dflash.on_policy_from_step=-3"], "dflash.on_policy_from_step=-3 must be >= 0, or -1 (off)"),
+    (["dflash.on_policy_from_step=2", "dflash.on_policy_anchor_fraction=0"],
+     "dflash.on_policy_anchor_fraction=0.0 must be in (0, 1]"),
+    (["dflash.on_policy_from_step=2", "dflash.serving_anchor_fraction=0.5"],
+     "dflash.on_policy_from_step and dflash.serving_anchor_fraction both place blocks"),
+    (["dflash.on_policy_from_step=2", "dflash.loss_chunk_size=0"], "dflash.on_policy_from_step needs the chunked loss"),
+    (["dflash.on_policy_from_step=2", "dflash.distill_top_k=4", "dflash.loss_kl_weight=1"],
+     "the reverse KL needs the target's whole distribution"),
+    (["dflash.on_policy_from_step=2", "data.train_ds.packing=true", "++data.train_ds.batch_size=null"],
+     "dflash.on_policy_from_step needs padded batches"),
+    (["dflash=mtp", "dflash.on_policy_from_step=2"], "dflash.on_policy_from_step is a DFlash key the mtp"),
 ])
 def test_serving_anchor_mistakes_are_one_line_errors(tiny_salm_dir, demo_data, tmp_path, overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         _recipe(tiny_salm_dir, demo_data, tmp_path, 2, *[o for o in overrides if not o.startswith("dflash=")],
                 *[o for o in overrides if o.startswith("dflash=")])

@@ -276,6 +276,15 @@ RULES: tuple[Rule, ...] = (
         lambda run: f"dflash.serving_anchor_every={run.dflash.serving_anchor_every} must be >= 1",
     ),
     Rule(
+        lambda run: run.dflash.on_policy_from_step >= -1,
+        lambda run: f"dflash.on_policy_from_step={run.dflash.on_policy_from_step} must be >= 0, or -1 (off)",
+    ),
+    Rule(
+        lambda run: run.dflash.on_policy_from_step < 0 or not run.data.train_ds.packing,
+        lambda run: "dflash.on_policy_from_step needs padded batches (one sample per row): set "
+        "data.train_ds.packing=false or on_policy_from_step=-1",
+    ),
+    Rule(
         lambda run: run.dflash.serving_anchor_fraction == 0 or not run.data.train_ds.packing,
         lambda run: "dflash.serving_anchor_fraction > 0 needs padded batches (one sample per row): set "
         "data.train_ds.packing=false or serving_anchor_fraction=0",

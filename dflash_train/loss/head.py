@@ -16,7 +16,9 @@ together. :func:`chunked_head_loss` never holds more than ``chunk_size`` rows of
   gradient instead of a second pass over the vocabulary;
 * distillation (:class:`LossTerms`) computes the target's own logits for the same chunk from its final
   hidden states (:class:`TeacherRows`, the rows the frozen forward already produced), so the target's
-  distribution is never held beyond ``chunk_size`` rows either and needs no second target pass.
+  distribution is never held beyond ``chunk_size`` rows either and needs no second target pass;
+* positions given a *reverse* weight (the on-policy stage's first rejected position of a block) add the
+  reverse KL ``τ²·KL(q_τ ‖ p_τ)`` there, from the same chunk of target logits.
 
 The head is frozen (the target's): no gradient is produced for its weight, and a head that requires one
 is refused. The optional output transform of some targets (``logits · multiplier``, then
@@ -41,7 +43,9 @@ class LossTerms:
 
         ce · CE(q, label) + kl · τ² · KL(p_τ ‖ q_τ) + tv · TV(p_τ, q_τ)
 
-    ``q`` is the draft's next-token distribution, ``p`` the target's at the same prediction (its logits at
+    and, at positions the caller gives a reverse weight (:func:`chunked_head_loss`'s ``reverse_weights``),
+    ``reverse_kl · τ² · KL(q_τ ‖ p_τ)``, the mode-seeking direction: it lowers the draft's probability
+    wherever it exceeds the target's, above all on the token it wrongly proposed. ``q`` is the draft's next-token distribution, ``p`` the target's at the same prediction (its logits at
     the label's predecessor, the position whose greedy token the label is), both after the target's output
     transform; ``·_τ`` is the softmax at temperature τ, and with ``teacher_top_k = k > 0`` the target's
     distribution is restricted to its k most likely tokens and renormalised. τ² keeps the KL term's
@@ -54,17 +58,21 @@ class LossTerms:
     tv: float = 0.0
     teacher_top_k: int = 0
     temperature: float = 1.0
+    reverse_kl: float = 0.0
 
     def __post_init__(self):
         if min(self.ce, self.kl, self.tv) < 0 or self.ce + self.kl + self.tv <= 0:
             raise ValueError(f"loss weights ce={self.ce}, kl={self.kl}, tv={self.tv} must be >= 0, not all zero")
         if self.temperature <= 0 or self.teacher_top_k < 0:
             raise ValueError(f"temperature={self.temperature} must be > 0 and teacher_top_k={self.teacher_top_k} >= 0")
+        if self.reverse_kl < 0 or (self.reverse_kl and self.teacher_top_k):
+            raise ValueError(f"reverse_kl={self.reverse_kl} must be >= 0, and 0 with teacher_top_k (log p is -inf "
+                             "outside the top k)")
 
     @property
     def distills(self) -> bool:
         """Whether a term needs the target's distribution (and so its final hidden states)."""
-        return self.kl > 0 or self.tv > 0
+        return self.kl > 0 or self.tv > 0 or self.reverse_kl > 0
 
 
 CROSS_ENTROPY = LossTerms()
@@ -137,13 +145,27 @@ def distillation(
     return loss, grad
 
 
+def reverse_kl(
+    student: torch.Tensor, teacher: torch.Tensor, temperature: float, with_grad: bool
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Per row of ``[rows, V]`` logits, ``τ²·KL(q_τ ‖ p_τ)`` and, with ``with_grad``, its gradient with respect
+    to the student's logits, ``τ · q_τ ⊙ (f − ⟨q_τ, f⟩)`` with ``f = log q_τ − log p_τ``."""
+    tau = temperature
+    log_q = (student / tau).log_softmax(dim=-1)
+    gap = log_q - (teacher / tau).log_softmax(dim=-1)
+    q = log_q.exp()
+    divergence = (q * gap).sum(dim=-1)
+    grad = tau * q * (gap - divergence[:, None]) if with_grad else None
+    return tau**2 * divergence, grad
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """Σ w·loss(transform(h·Wᵀ + b), y[, teacher rows]) over rows of ``h``, chunk by chunk; see the module
     docstring."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, row_weights, teacher, chunk_size, multiplier, softcap, top_k,
-                terms, with_grad):
+    def forward(ctx, hidden, weight, bias, targets, row_weights, reverse_weights, teacher, chunk_size, multiplier,
+                softcap, top_k, terms, with_grad):
         compute = torch.promote_types(hidden.dtype, torch.float32)  # at least FP32, as autocast runs CE
         total = hidden.new_zeros((), dtype=compute)
         nll_total = hidden.new_zeros((), dtype=compute)
@@ -165,11 +187,16 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if top_k:
                 top_ids[rows] = logits.topk(top_k, dim=-1).indices
             loss = terms.ce * nll if terms.ce else torch.zeros_like(nll)
-            grad = None
-            if teacher is not None:
-                loss_distill, grad = distillation(logits, head_logits(teacher[rows]), terms, with_grad)
+            grad = reverse_grad = None
+            teacher_logits = head_logits(teacher[rows]) if teacher is not None else None
+            if terms.kl or terms.tv:
+                loss_distill, grad = distillation(logits, teacher_logits, terms, with_grad)
                 loss += loss_distill
             total += (loss * row_weights[rows]).sum()
+            if reverse_weights is not None:
+                loss_reverse, reverse_grad = reverse_kl(logits, teacher_logits, terms.temperature, with_grad)
+                total += terms.reverse_kl * (loss_reverse * reverse_weights[rows]).sum()
+            del teacher_logits
             if with_grad:
                 slope = 1.0 - (logits / softcap) ** 2 if softcap is not None else None  # d softcap / d input
                 if terms.ce:
@@ -177,12 +204,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                     softmax.scatter_add_(1, target[:, None], torch.full_like(nll[:, None], -1.0))
                     grad = softmax.mul_(terms.ce) if grad is None else grad.add_(softmax, alpha=terms.ce)
                 grad *= row_weights[rows, None]
+                if reverse_grad is not None:
+                    grad += reverse_grad * (terms.reverse_kl * reverse_weights[rows, None])
                 if slope is not None:
                     grad *= slope
                 if multiplier != 1.0:
                     grad *= multiplier
                 grad_hidden[rows] = grad.to(weight.dtype) @ weight
-            del logits, grad
+            del logits, grad, reverse_grad
         ctx.save_for_backward(grad_hidden)
         outputs = (total, nll_total, predictions) + ((top_ids,) if top_k else ())
         ctx.mark_non_differentiable(*outputs[1:])
@@ -193,7 +222,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         (grad_hidden,) = ctx.saved_tensors
         if grad_hidden is None:
             raise RuntimeError("chunked_head_loss ran without gradient tracking; its loss cannot be differentiated")
-        return (grad_hidden * grad_total.to(grad_hidden.dtype),) + (None,) * 11
+        return (grad_hidden * grad_total.to(grad_hidden.dtype),) + (None,) * 12
 
 
 def chunked_head_loss(
@@ -209,13 +238,14 @@ def chunked_head_loss(
     max_positions: Optional[int] = None,
     terms: LossTerms = CROSS_ENTROPY,
     teacher: Optional[TeacherRows] = None,
+    reverse_weights: Optional[torch.Tensor] = None,
 ) -> HeadLoss:
     """Σ w·loss of the frozen ``head`` (an ``nn.Linear``, ``[V, H]``) at ``hidden [..., H]`` against
     ``targets [...]`` with ``weights [...]``, ``chunk_size`` rows of logits at a time (module docstring);
     the loss is :class:`LossTerms` ``terms`` (default: cross-entropy), whose distillation terms need the
-    ``teacher`` rows.
+    ``teacher`` rows. ``reverse_weights [...]`` (with ``terms.reverse_kl`` > 0) weigh the reverse KL per position.
 
-    Only ``positions [...]`` (bool; default: ``weights != 0``) go through the head. Picking exactly them
+    Only ``positions [...]`` (bool; default: a non-zero weight or reverse weight) go through the head. Picking exactly them
     costs one device-to-host read (their count). With ``max_positions`` (a host bound on their count)
     there is no read: they are packed into that many slots, and the slots left over run the head with
     zero weight (no loss, no gradient, their predictions discarded).
@@ -226,15 +256,25 @@ def chunked_head_loss(
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     if terms.distills and teacher is None:
-        raise ValueError("distillation terms (kl, tv) need the target's rows (teacher)")
+        raise ValueError("distillation terms (kl, tv, reverse_kl) need the target's rows (teacher)")
+    if reverse_weights is not None and not terms.reverse_kl:
+        raise ValueError("reverse_weights without a reverse_kl term in the loss terms would be ignored")
     leading = targets.shape
     flat_weights = weights.reshape(-1)
     total = flat_weights.numel()
-    rows = true_indices(flat_weights != 0 if positions is None else positions.reshape(-1), max_positions)
+    if positions is None:
+        positions = flat_weights != 0 if reverse_weights is None else (flat_weights != 0) | (reverse_weights.reshape(-1) != 0)
+    rows = true_indices(positions.reshape(-1), max_positions)
     source = rows.clamp(max=max(total - 1, 0))
-    row_weights = flat_weights.index_select(0, source).to(torch.promote_types(weight.dtype, torch.float32))
-    if max_positions is not None:
-        row_weights = row_weights * (rows < total)
+    compute = torch.promote_types(weight.dtype, torch.float32)
+    in_range = (rows < total) if max_positions is not None else None
+
+    def picked_weights(values: torch.Tensor) -> torch.Tensor:
+        picked_values = values.reshape(-1).index_select(0, source).to(compute)
+        return picked_values * in_range if in_range is not None else picked_values
+
+    row_weights = picked_weights(flat_weights)
+    row_reverse_weights = picked_weights(reverse_weights) if reverse_weights is not None else None
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, source).to(weight.dtype)
     teacher_rows = None
     if terms.distills:
@@ -246,6 +286,7 @@ def chunked_head_loss(
         bias,
         targets.reshape(-1).index_select(0, source),
         row_weights,
+        row_reverse_weights,
         teacher_rows,
         chunk_size,
         float(multiplier),

@@ -316,10 +316,12 @@ class DFlashDraftModule(L.LightningModule):
             return True
         return variant.has_valid_anchor(cfg, inputs.loss_mask, inputs.doc_remaining)
 
-    def run_core(self, inputs: StepInputs, rng_key: int, preferred: Optional[list[PreferredRow]] = None):
+    def run_core(self, inputs: StepInputs, rng_key: int, preferred: Optional[list[PreferredRow]] = None,
+                 on_policy: bool = False):
         """One trainer-core forward; anchor sampling is seeded by ``rng_key`` so resumes are exact.
 
-        ``preferred``: per row, positions that get part of its blocks (serving-aware anchors).
+        ``preferred``: per row, positions that get part of its blocks (serving-aware anchors, the on-policy
+        stage); ``on_policy``: the on-policy stage's loss (``ChunkedBlockLoss.on_policy``).
         """
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
@@ -330,6 +332,8 @@ class DFlashDraftModule(L.LightningModule):
             if preferred is not None:
                 self.core.preferred_anchors = preferred
                 self.core.preferred_fraction = self.settings.serving_anchors.settings.fraction
+            if on_policy:
+                self.core.on_policy = True
             self.core.supervised_bound = inputs.supervised_bound
             try:
                 return self.core(
@@ -346,6 +350,8 @@ class DFlashDraftModule(L.LightningModule):
             finally:
                 self.core.preferred_anchors = None
                 self.core.supervised_bound = None
+                if on_policy:
+                    self.core.on_policy = False
 
     def _rng_key(self, step: int, batch_idx: int, stream: int) -> int:
         return (self.settings.seed * 1_000_003 + step * 7_919 + batch_idx * 131 + stream * 17 + self.global_rank) % (
@@ -409,7 +415,8 @@ class DFlashDraftModule(L.LightningModule):
         log.info("flex: compiled the draft step's 4 shape classes in %.1f s: %s", time.perf_counter() - started,
                  compiled_entries())
 
-    def _forward_core(self, inputs: StepInputs, rng_key: int, preferred: Optional[list[PreferredRow]] = None):
+    def _forward_core(self, inputs: StepInputs, rng_key: int, preferred: Optional[list[PreferredRow]] = None,
+                      on_policy: bool = False):
         """The core on ``inputs``, or on :meth:`placeholder_inputs` with zero weight when they hold no anchor.
 
         Returns ``(metrics, sums, loss_sum)``: ``sums`` are the batch's :class:`BlockStats`
@@ -418,7 +425,7 @@ class DFlashDraftModule(L.LightningModule):
         divided by the window's Σ w, is the gradient of the exact window loss.
         """
         if self.has_valid_anchor(inputs):
-            metrics = self.run_core(inputs, rng_key, preferred)
+            metrics = self.run_core(inputs, rng_key, preferred, on_policy)
             return metrics, step_sums(metrics), metrics.loss * metrics.loss_weight
         self.core.placeholder = True  # a core that pools statistics over ranks counts this forward as zero
         try:
@@ -443,7 +450,10 @@ class DFlashDraftModule(L.LightningModule):
         micro = batch_idx % accumulate  # not batch_idx itself: it restarts when a run resumes
         inputs = self.prepare(batch)
         preferred = self._serving_anchors(batch, inputs, micro)
-        metrics, sums, loss_sum = self._forward_core(inputs, self._rng_key(self.global_step, micro, 0), preferred)
+        miner = self.settings.serving_anchors
+        on_policy = miner is not None and miner.settings.on_policy_at(self.global_step)
+        metrics, sums, loss_sum = self._forward_core(inputs, self._rng_key(self.global_step, micro, 0), preferred,
+                                                     on_policy)
         coverage = self.core.anchor_coverage_sums if metrics is not None else None
         if metrics is None:
             self.skip_counts[SKIP_NO_ANCHOR] += 1
@@ -581,6 +591,8 @@ class DFlashDraftModule(L.LightningModule):
         }
         values.update({f"data/skipped/{reason}": value for reason, value in zip(reasons, data_values)})
         values.update({f"train/{name}": value for name, value in zip(variant, summed[count + 5 + len(reasons) :])})
+        if self.settings.serving_anchors is not None:  # this rank's decode time of the miner (or on-policy stage)
+            values["train/mining_seconds"] = self.settings.serving_anchors.take_seconds() / steps
         if torch.cuda.is_available() and self.device.type == "cuda":
             values["train/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.log_dict(values, on_step=True)

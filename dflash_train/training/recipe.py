@@ -415,23 +415,34 @@ def setup_module(run: RunConfig, target, draft, spec: DraftSpec, backend: str, d
 
 
 def setup_serving_anchors(run: RunConfig, target, spec: DraftSpec) -> Optional[ServingAnchorMiner]:
-    """Serving-aware anchors (``dflash.serving_anchor_fraction`` > 0): mined round starts, at the served K."""
+    """The round-start miner at the served K: serving-aware anchors (``dflash.serving_anchor_fraction`` > 0,
+    post-correction starts) or the on-policy stage (``dflash.on_policy_from_step`` >= 0, every start)."""
     from dflash_train.data.prompt import build_prompt_format
+    from dflash_train.evaluate.anchors import AFTER_CORRECTION, KINDS, NOT_A_START
     from dflash_train.evaluate.loading import default_stop_token_ids
 
-    fraction = run.dflash.serving_anchor_fraction
-    if fraction == 0:
+    cfg = run.dflash
+    on_policy = cfg.on_policy_from_step >= 0
+    if cfg.serving_anchor_fraction == 0 and not on_policy:
         return None
     prompt_format = build_prompt_format(run.data.prompt_format, target.tokenizer, run.model.audio_locator_tag)
     settings = ServingAnchorSettings(
-        fraction=fraction,
-        every=run.dflash.serving_anchor_every,
+        fraction=cfg.on_policy_anchor_fraction if on_policy else cfg.serving_anchor_fraction,
+        every=cfg.serving_anchor_every,
         num_speculative_tokens=spec.variant.speculative_tokens(spec.cfg),
         stop_token_ids=frozenset(default_stop_token_ids(prompt_format)),
         seed=run.seed,
+        kinds=frozenset(KINDS) - {NOT_A_START} if on_policy else frozenset({AFTER_CORRECTION}),
+        from_step=max(cfg.on_policy_from_step, 0),
+        on_policy=on_policy,
     )
-    log.info("serving-aware anchors: up to %.0f%% of each row's anchors at its serving round starts, mined every "
-             "%d steps", 100 * fraction, settings.every)
+    if on_policy:
+        log.info("on-policy stage from step %d: up to %.0f%% of each row's blocks at its serving round starts, mined "
+                 "every %d steps; loss on each block's accepted prefix, reverse KL (weight %g) at its first rejection",
+                 settings.from_step, 100 * settings.fraction, settings.every, cfg.on_policy_reverse_kl_weight)
+    else:
+        log.info("serving-aware anchors: up to %.0f%% of each row's anchors at its serving round starts, mined every "
+                 "%d steps", 100 * settings.fraction, settings.every)
     return ServingAnchorMiner(settings)
 
 

@@ -59,6 +59,9 @@ class DFlashConfig:
     serving_val_perception_dtype: str = "bfloat16"  # serving's perception precision (vLLM runs it in bfloat16)
     serving_anchor_fraction: float = 0.0  # share of a row's blocks at mined post-correction round starts (0: off)
     serving_anchor_every: int = 10  # steps between two minings of the current batch's round starts
+    on_policy_from_step: int = -1  # the on-policy stage from this step on (training/serving_anchors.py; -1: off)
+    on_policy_anchor_fraction: float = 1.0  # share of a row's blocks at its mined round starts in that stage
+    on_policy_reverse_kl_weight: float = 1.0  # tau^2 KL(draft || target) at a block's first rejected position
     draft_model_config: dict = field(default_factory=dict)
 
 
@@ -84,11 +87,29 @@ def _loss_problems(cfg: DFlashConfig) -> Iterator[str]:
         yield f"dflash.distill_temperature={cfg.distill_temperature} must be > 0"
     if cfg.distill_top_k < 0:
         yield f"dflash.distill_top_k={cfg.distill_top_k} must be >= 0 (0: the target's whole distribution)"
+    if cfg.on_policy_from_step >= 0:
+        yield from _on_policy_problems(cfg)
     if (cfg.loss_kl_weight > 0 or cfg.loss_tv_weight > 0) and cfg.loss_chunk_size == 0:
         yield (
             "dflash.loss_kl_weight / loss_tv_weight (distillation) with dflash.loss_chunk_size=0: only the chunked loss "
             "distills; set loss_chunk_size > 0 (the default 256) or the two weights to 0"
         )
+
+
+def _on_policy_problems(cfg: DFlashConfig) -> Iterator[str]:
+    """The rules of the on-policy stage's keys (``dflash.on_policy_*``), when it is on."""
+    if not 0 < cfg.on_policy_anchor_fraction <= 1:
+        yield f"dflash.on_policy_anchor_fraction={cfg.on_policy_anchor_fraction} must be in (0, 1]"
+    if cfg.on_policy_reverse_kl_weight < 0:
+        yield f"dflash.on_policy_reverse_kl_weight={cfg.on_policy_reverse_kl_weight} must be >= 0"
+    if cfg.serving_anchor_fraction > 0:
+        yield ("dflash.on_policy_from_step and dflash.serving_anchor_fraction both place blocks at mined round starts "
+               "(every start vs. post-correction ones): set serving_anchor_fraction=0 or on_policy_from_step=-1")
+    if cfg.loss_chunk_size == 0:
+        yield "dflash.on_policy_from_step needs the chunked loss: set dflash.loss_chunk_size > 0 (the default 256)"
+    if cfg.on_policy_reverse_kl_weight > 0 and cfg.distill_top_k > 0:
+        yield (f"dflash.on_policy_reverse_kl_weight with dflash.distill_top_k={cfg.distill_top_k}: the reverse KL needs "
+               "the target's whole distribution; set distill_top_k=0 or on_policy_reverse_kl_weight=0")
 
 
 class TargetDims(NamedTuple):
@@ -160,8 +181,9 @@ class DraftVariant:
 
     def loss_terms(self, cfg: DFlashConfig) -> LossTerms:
         """What the draft's loss minimises per position (``dflash.loss_*``, ``dflash.distill_*``)."""
+        reverse = cfg.on_policy_reverse_kl_weight if cfg.on_policy_from_step >= 0 else 0.0
         return LossTerms(cfg.loss_ce_weight, cfg.loss_kl_weight, cfg.loss_tv_weight, cfg.distill_top_k,
-                         cfg.distill_temperature)
+                         cfg.distill_temperature, reverse)
 
     def has_valid_anchor(self, cfg: DFlashConfig, loss_mask: torch.Tensor, doc_remaining: torch.Tensor) -> bool:
         """Whether a batch holds any anchor this variant trains on."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dflash_train.loss.head import CROSS_ENTROPY, HeadLoss, LossTerms, TeacherRows, chunked_head_loss, position_bound
 from dflash_train.variants.base import DFlashConfig, DraftVariant, automodel_speculative_dflash
@@ -20,6 +21,10 @@ class ChunkedBlockLoss:
     :class:`~dflash_train.loss.head.LossTerms`: distillation learns, at block position k, the target's
     distribution at ``anchor + k − 1`` (the predecessor of the label's position), read from the target's
     final hidden states passed as ``teacher_hidden``. A variant with more terms overrides :meth:`objective`.
+
+    With ``on_policy`` set (by the training module, in the on-policy stage) the block loss is shaped by what
+    serving accepts (:func:`accepted_prefix`): the run's terms on each block's accepted prefix, the reverse KL
+    at its first rejected position, nothing after it.
     """
 
     def __init__(self, *args, loss_chunk_size: int, loss_terms: LossTerms = CROSS_ENTROPY, **kwargs):
@@ -30,6 +35,7 @@ class ChunkedBlockLoss:
         self.loss_chunk_size = loss_chunk_size
         self.supervised_bound: int | None = None  # the batch's supervised tokens (host), set around a forward
         self.position_weights: list[float] | None = None  # dflash.step_loss_weights (None: the library's decay)
+        self.on_policy = False  # the on-policy stage's loss (set by the training module around a forward)
 
     def depth_weighted(self, mask: torch.Tensor) -> torch.Tensor:
         """``mask [B, N, block−1]`` times the weight of predicted position k: ``dflash.step_loss_weights``
@@ -50,7 +56,25 @@ class ChunkedBlockLoss:
 
     def head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, teacher: TeacherRows | None,
                   top_k: int = 0) -> HeadLoss:
-        """The chunked head + the run's loss with the draft's output transform, sized on the host (no read-back)."""
+        """The chunked head + the run's loss with the draft's output transform, sized on the host (no read-back).
+
+        In the on-policy stage a first pass without gradient reads the draft's proposals at every position
+        (its predictions, top-k, and the hard-label CE, which stay what the step reports), and a second pass
+        computes the loss at the positions :func:`accepted_prefix` keeps: the run's terms on each block's
+        accepted prefix, ``reverse_kl`` at its first rejection. It is normalised by the same Σ w as the
+        ordinary loss, so a kept position's gradient has the size it has off-policy.
+        """
+        bound = position_bound(weights, self.supervised_bound)
+        if not self.on_policy:
+            return self._chunked_head(hidden, targets, weights, self.loss_terms, teacher, top_k, bound)
+        with torch.no_grad():
+            seen = self._chunked_head(hidden.detach(), targets, weights, CROSS_ENTROPY, None, top_k, bound)
+        accepted, first_rejection = accepted_prefix(seen.predictions, targets, weights != 0)
+        reverse = weights * first_rejection if self.loss_terms.reverse_kl else None
+        shaped = self._chunked_head(hidden, targets, weights * accepted, self.loss_terms, teacher, 0, bound, reverse)
+        return HeadLoss(shaped.weighted_loss, seen.weighted_nll, seen.predictions, seen.top_ids)
+
+    def _chunked_head(self, hidden, targets, weights, terms, teacher, top_k, bound, reverse_weights=None) -> HeadLoss:
         return chunked_head_loss(
             hidden,
             self.lm_head,
@@ -58,9 +82,10 @@ class ChunkedBlockLoss:
             weights,
             self.loss_chunk_size,
             top_k=top_k,
-            max_positions=position_bound(weights, self.supervised_bound),
-            terms=self.loss_terms,
+            max_positions=bound,
+            terms=terms,
             teacher=teacher,
+            reverse_weights=reverse_weights,
             **self.output_transform(),
         )
 
@@ -120,6 +145,19 @@ class ChunkedBlockLoss:
             accept_len_sum=accept_len_sum,
             valid_blocks=valid_blocks,
         )
+
+
+def accepted_prefix(predictions: torch.Tensor, targets: torch.Tensor, supervised: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(accepted, first_rejection)`` float masks ``[..., positions]`` of blocks of proposals: the leading
+    supervised positions whose proposal equals the label (what verification accepts), and the first
+    supervised position after them whose proposal differs (where the round ends). Positions after a
+    rejection, or after an unsupervised position, are in neither."""
+    match = (predictions == targets) & supervised
+    accepted = match.long().cumprod(dim=-1).bool()
+    reached = F.pad(accepted, (1, 0), value=True)[..., :-1]
+    first_rejection = reached & supervised & ~match
+    return accepted.to(torch.float32), first_rejection.to(torch.float32)
 
 
 def with_chunked_loss(mixin: type, core_cls: type) -> type:

@@ -30,6 +30,7 @@ class MTPConfig(DFlashConfig):
 DFLASH_ONLY_KEYS = (
     "block_size",
     "serving_anchor_fraction",
+    "on_policy_from_step",
     "target_layer_ids",
     "mask_token_id",
     "draft_model_config",
