@@ -43,10 +43,12 @@ class FrozenLLM(nn.Module):
     def causal_lm(self) -> nn.Module:
         raise NotImplementedError
 
-    def shard_experts(self, ep_size: int) -> None:
-        """Shard the routed experts of the MoE blocks over groups of ``ep_size`` ranks (the process group is up;
-        :mod:`~dflash_train.target.expert_parallel`); every later forward is a collective of the group."""
-        device = self.embed_tokens.weight.device
+    def shard_experts(self, ep_size: int, device: torch.device | None = None) -> None:
+        """Shard the routed experts of the MoE blocks over groups of ``ep_size`` ranks onto ``device`` (default:
+        where the target is; the process group is up; :mod:`~dflash_train.target.expert_parallel`); every later
+        forward is a collective of the group. Called before the target moves to the device, so the device never
+        holds more than one block's experts beside this rank's share of the others."""
+        device = device if device is not None else self.embed_tokens.weight.device
         mesh = expert_parallel_mesh(ep_size, device.type)
         blocks = shard_experts(self.causal_lm, mesh)
         self._lockstep = ForwardLockstep(self.decoder, mesh.get_group(), self.hidden_size)

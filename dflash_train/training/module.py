@@ -237,9 +237,9 @@ class DFlashDraftModule(L.LightningModule):
         log.info("FSDP2: %s; reshard_after_forward=%s", describe_sharding(self.draft), str(reshard).lower())
 
     def setup(self, stage: str) -> None:
+        if self.settings.expert_parallel_size > 1 and not self.target.experts_sharded:  # before the rest moves
+            self.target.shard_experts(self.settings.expert_parallel_size, self.device)
         self.target.to(self.device)
-        if self.settings.expert_parallel_size > 1 and not self.target.experts_sharded:
-            self.target.shard_experts(self.settings.expert_parallel_size)
         self._fingerprint_target()
 
     def _fingerprint_target(self) -> None:
