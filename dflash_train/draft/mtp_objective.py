@@ -95,6 +95,7 @@ class MTPTrainerCore(nn.Module):
         self.step_weights = [float(w) for w in step_weights]
         self.num_anchors = num_anchors
         self.per_document = per_document  # dflash.anchor_budget: per_document (draft/anchors.py)
+        self.weighted_ce: torch.Tensor | None = None  # Σ w·CE of the last forward (train/ce)
         self.anchor_coverage_sums: torch.Tensor | None = None  # of the last draw (draft/anchors.py)
 
     @property
@@ -187,10 +188,12 @@ class MTPTrainerCore(nn.Module):
                 max_positions=position_bound(supervised, self.supervised_bound), terms=self.terms, teacher=teacher,
             )
             weighted_loss, predictions = head.weighted_loss, head.predictions
+            self.weighted_ce = head.weighted_nll.detach()
         else:
             logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
             ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(weights)
             weighted_loss, predictions = (ce * weights).sum(), logits.argmax(dim=-1)
+            self.weighted_ce = weighted_loss.detach()
         loss = weighted_loss / weight.clamp_min(1e-12)
 
         correct = (predictions == labels) & supervised

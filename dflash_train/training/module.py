@@ -455,6 +455,7 @@ class DFlashDraftModule(L.LightningModule):
         metrics, sums, loss_sum = self._forward_core(inputs, self._rng_key(self.global_step, micro, 0), preferred,
                                                      on_policy)
         coverage = self.core.anchor_coverage_sums if metrics is not None else None
+        hard_ce = getattr(self.core, "weighted_ce", None) if metrics is not None else None
         if metrics is None:
             self.skip_counts[SKIP_NO_ANCHOR] += 1
         # DP frameworks average gradients over ranks; the world size undoes that average.
@@ -463,7 +464,7 @@ class DFlashDraftModule(L.LightningModule):
         stepped = True
         if micro == accumulate - 1:
             stepped = self._finish_window(optimizer)
-        self._log_train(sums, metrics, inputs, started, stepped, coverage)
+        self._log_train(sums, metrics, inputs, started, stepped, coverage, hard_ce)
 
     def _serving_anchors(self, batch: SpeechBatch, inputs: StepInputs, micro: int) -> Optional[list[PreferredRow]]:
         """Serving-aware anchors (training/serving_anchors.py): mine this batch on due steps, then the
@@ -537,7 +538,7 @@ class DFlashDraftModule(L.LightningModule):
         return applied
 
     def _log_train(self, sums: torch.Tensor, metrics, inputs: StepInputs, started: float, stepped: bool,
-                   coverage: Optional[torch.Tensor] = None) -> None:
+                   coverage: Optional[torch.Tensor] = None, hard_ce: Optional[torch.Tensor] = None) -> None:
         """Add this step's sums to the log window's, on the device; on a log step, log the window.
 
         Between log steps nothing is read back to the host (each read would stall it until the
@@ -546,12 +547,17 @@ class DFlashDraftModule(L.LightningModule):
         over the window's steps, throughput is its wall-clock time (the read waits for the device, so
         the time is the device's), and the variant's own metrics are this step's, this rank's.
         ``coverage`` is the anchor draw's ``[Σ coverage, documents, documents not reached]``
-        (draft/anchors.py; ``None`` for a placeholder step), pooled over the window's documents.
+        (draft/anchors.py; ``None`` for a placeholder step), pooled over the window's documents. ``hard_ce`` is
+        the step's Σ w·CE at every supervised position (the chunked head's), logged as ``train/ce``: the
+        hard-label cross-entropy beside an objective that is not it (distillation, the on-policy stage, DFlash2's
+        selector term).
         """
         tokens_here = inputs.doc_remaining.ge(0).sum().double().reshape(1)
         if coverage is None:
             coverage = torch.zeros(3, dtype=torch.float64, device=self.device)
-        window = torch.cat([sums, tokens_here, coverage.to(device=self.device, dtype=torch.float64)])
+        ce_here = torch.zeros(1, dtype=torch.float64, device=self.device) if hard_ce is None else (
+            hard_ce.detach().to(device=self.device, dtype=torch.float64).reshape(1))
+        window = torch.cat([sums, tokens_here, coverage.to(device=self.device, dtype=torch.float64), ce_here])
         if self._log_window_started is None:
             self._log_window_started = started
         self._log_window = window if self._log_window is None else self._log_window + window
@@ -571,8 +577,8 @@ class DFlashDraftModule(L.LightningModule):
         self._log_window, self._log_window_started, self._log_window_steps, self._log_window_skipped = None, now, 0, 0
         count = len(sums)
         total = BlockStats(*summed[:count])
-        tokens, covered, documents, unreached, no_anchor = summed[count : count + 5]
-        data_values = summed[count + 5 : count + 5 + len(reasons)]
+        tokens, covered, documents, unreached, ce_sum, no_anchor = summed[count : count + 6]
+        data_values = summed[count + 6 : count + 6 + len(reasons)]
         values = {
             "train/dflash_loss": total.loss,
             "train/dflash_accuracy": total.accuracy,
@@ -590,7 +596,9 @@ class DFlashDraftModule(L.LightningModule):
             "train/documents_without_block": unreached / max(documents, 1.0),
         }
         values.update({f"data/skipped/{reason}": value for reason, value in zip(reasons, data_values)})
-        values.update({f"train/{name}": value for name, value in zip(variant, summed[count + 5 + len(reasons) :])})
+        values.update({f"train/{name}": value for name, value in zip(variant, summed[count + 6 + len(reasons) :])})
+        if getattr(self.core, "weighted_ce", None) is not None:  # the chunked head (or MTP's loss) ran
+            values["train/ce"] = ce_sum / total.weight if total.weight > 0 else 0.0
         if self.settings.serving_anchors is not None:  # this rank's decode time of the miner (or on-policy stage)
             values["train/mining_seconds"] = self.settings.serving_anchors.take_seconds() / steps
         if torch.cuda.is_available() and self.device.type == "cuda":

@@ -36,6 +36,7 @@ class ChunkedBlockLoss:
         self.supervised_bound: int | None = None  # the batch's supervised tokens (host), set around a forward
         self.position_weights: list[float] | None = None  # dflash.step_loss_weights (None: the library's decay)
         self.on_policy = False  # the on-policy stage's loss (set by the training module around a forward)
+        self.weighted_ce: torch.Tensor | None = None  # Σ w·CE of the last forward at every supervised position
 
     def depth_weighted(self, mask: torch.Tensor) -> torch.Tensor:
         """``mask [B, N, block−1]`` times the weight of predicted position k: ``dflash.step_loss_weights``
@@ -66,12 +67,15 @@ class ChunkedBlockLoss:
         """
         bound = position_bound(weights, self.supervised_bound)
         if not self.on_policy:
-            return self._chunked_head(hidden, targets, weights, self.loss_terms, teacher, top_k, bound)
+            result = self._chunked_head(hidden, targets, weights, self.loss_terms, teacher, top_k, bound)
+            self.weighted_ce = result.weighted_nll.detach()
+            return result
         with torch.no_grad():
             seen = self._chunked_head(hidden.detach(), targets, weights, CROSS_ENTROPY, None, top_k, bound)
         accepted, first_rejection = accepted_prefix(seen.predictions, targets, weights != 0)
         reverse = weights * first_rejection if self.loss_terms.reverse_kl else None
         shaped = self._chunked_head(hidden, targets, weights * accepted, self.loss_terms, teacher, 0, bound, reverse)
+        self.weighted_ce = seen.weighted_nll.detach()
         return HeadLoss(shaped.weighted_loss, seen.weighted_nll, seen.predictions, seen.top_ids)
 
     def _chunked_head(self, hidden, targets, weights, terms, teacher, top_k, bound, reverse_weights=None) -> HeadLoss:
