@@ -69,18 +69,27 @@ def test_two_ranks_match_one(single, tiny_salm_dir, wavs, tmp_path, strategy, va
     assert worst < 1e-6, f"{strategy}/{variant}: weights after 2 SGD steps differ from one process by {worst}"
 
 
-def test_serving_anchors_keep_two_fsdp2_ranks_equal_to_one_process(tiny_salm_dir, wavs, tmp_path):
-    """Mining (a collective), the mined memory and the blocks it moves depend on the samples, not on the
-    rank: two ranks still train exactly like one process on the same global batch."""
-    # every anchor is drawn (num_anchors 512): the moved blocks duplicate round starts, so the weights change
-    flags = (*SGD, "--set", "dflash.serving_anchor_fraction=1.0", "--set", "dflash.serving_anchor_every=1")
-    one = _launch(tmp_path / "one", tiny_salm_dir, "ddp", "dflash", 1, wavs, *flags)
-    two = _launch(tmp_path / "two", tiny_salm_dir, "fsdp2", "dflash", 2, wavs, *flags)
+# every anchor is drawn (num_anchors 512): the moved blocks duplicate round starts, so the weights change
+MINED_STARTS = {
+    "serving_anchors": ("dflash", ("--set", "dflash.serving_anchor_fraction=1.0", "--set", "dflash.serving_anchor_every=1")),
+    # the recipe's variant, every step in the on-policy stage: its loss and every round start mined on each rank
+    "on_policy": ("dflash2", ("--set", "dflash.on_policy_from_step=0", "--set", "dflash.serving_anchor_every=1")),
+}
+
+
+@pytest.mark.parametrize("option", list(MINED_STARTS))
+def test_mined_round_starts_keep_two_fsdp2_ranks_equal_to_one_process(single, tiny_salm_dir, wavs, tmp_path, option):
+    """Mining (a collective), the mined memory, the blocks it moves and the on-policy loss depend on the samples,
+    not on the rank: two ranks still train exactly like one process on the same global batch."""
+    variant, option_flags = MINED_STARTS[option]
+    flags = (*SGD, *option_flags)
+    one = _launch(tmp_path / "one", tiny_salm_dir, "ddp", variant, 1, wavs, *flags)
+    two = _launch(tmp_path / "two", tiny_salm_dir, "fsdp2", variant, 2, wavs, *flags)
     assert one[0]["train_loss"] == pytest.approx(two[0]["train_loss"], rel=1e-5)
     worst = worst_difference(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
-    assert worst < 1e-6, f"serving anchors: 2 ranks differ from one process by {worst}"
-    _launch(tmp_path / "plain", tiny_salm_dir, "ddp", "dflash", 1, wavs, *SGD)
-    assert worst_difference(_weights(tmp_path / "plain"), _weights(tmp_path / "one")) > 0, "the option did nothing"
+    assert worst < 1e-6, f"{option}: 2 ranks differ from one process by {worst}"
+    plain_dir = single[variant][0]  # the same launch without the option
+    assert worst_difference(_weights(plain_dir), _weights(tmp_path / "one")) > 0, "the option did nothing"
 
 
 NO_ANCHOR_FLAGS = ("--unsupervised", "2,3", "--sgd", "0.5", "--steps", "2")
