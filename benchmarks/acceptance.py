@@ -60,6 +60,7 @@ KL_TV = KL + ("dflash.loss_tv_weight=1",)
 CE_KL = ("dflash.loss_ce_weight=0.5", "dflash.loss_kl_weight=0.5")
 # the on-policy stage over the last third of the default 600 steps, mining each batch every other step
 ON_POLICY = ("dflash.on_policy_from_step=400", "dflash.serving_anchor_every=2")
+ON_POLICY_FULL = ON_POLICY + ("dflash.on_policy_after_rejection_weight=1",)  # the ordinary loss after a rejection
 
 # name -> (draft variant, training data, label_source, extra recipe overrides)
 VARIANTS = {
@@ -78,6 +79,8 @@ VARIANTS = {
     "mtp+kl": ("mtp", "offline", "ground_truth", KL),
     "dflash+on_policy": ("dflash", "offline", "ground_truth", ON_POLICY),
     "dflash2+on_policy": ("dflash2", "offline", "ground_truth", ON_POLICY),
+    "dflash+on_policy_full": ("dflash", "offline", "ground_truth", ON_POLICY_FULL),
+    "dflash2+on_policy_full": ("dflash2", "offline", "ground_truth", ON_POLICY_FULL),
 }
 # the distillation comparison (docs/benchmarks.md): about an hour on 2 cores at 600 steps and 3 seeds
 DEFAULT_VARIANTS = ["dflash", "dflash+kl", "dflash+kl_tv", "dflash2", "dflash2+kl_tv"]

@@ -341,13 +341,15 @@ def test_the_accepted_prefix_ends_at_the_first_rejection():
 ON_POLICY = ("dflash.on_policy_from_step=0", "dflash.on_policy_reverse_kl_weight=0.7")
 
 
-@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+@pytest.mark.parametrize("variant, after", [("dflash", 0.0), ("dflash2", 0.0), ("dflash", 0.5)])
 def test_the_on_policy_block_loss_is_the_run_loss_on_the_accepted_prefix_and_reverse_kl_at_the_rejection(
-        tiny_salm_dir, tiny_target, speech_batch, variant):
+        tiny_salm_dir, tiny_target, speech_batch, variant, after):
     """Same draft, batch and anchors: the on-policy head's loss equals CE on each block's accepted prefix plus
-    0.7·KL(q ‖ p) at its first rejected position, written out from the ordinary step's own predictions and the
-    target's logits at the label's predecessor; the step's statistics (predictions, accept_len) are unchanged."""
-    module, draft = _module(tiny_salm_dir, tiny_target, variant, 5, extra=ON_POLICY)
+    0.7·KL(q ‖ p) at its first rejected position (plus ``after`` × CE at every position not accepted), written
+    out from the ordinary step's own predictions and the target's logits at the label's predecessor; the
+    step's statistics (predictions, accept_len) are unchanged."""
+    module, draft = _module(tiny_salm_dir, tiny_target, variant, 5,
+                            extra=(*ON_POLICY, f"dflash.on_policy_after_rejection_weight={after}"))
     batch = chatml_speech_batch(tiny_target, speech_batch, list(UTTERANCES.values()))
     inputs = module.prepare(batch.with_placements(tiny_target.audio_locator_tag_id))
     optimizer = torch.optim.Adam(draft.parameters(), lr=3e-3)
@@ -383,6 +385,6 @@ def test_the_on_policy_block_loss_is_the_run_loss_on_the_accepted_prefix_and_rev
     ce = F.cross_entropy(student.flatten(0, -2), targets.flatten(), reduction="none").view_as(weights)
     reverse = F.kl_div(teacher_logits.log_softmax(-1), student.log_softmax(-1), reduction="none",
                        log_target=True).sum(-1)
-    expected = ((ce * accepted + 0.7 * reverse * rejected) * weights).sum()
+    expected = ((ce * (accepted + after * (1 - accepted)) + 0.7 * reverse * rejected) * weights).sum()
     block_loss = shaped.base_loss if variant == "dflash2" else shaped.loss
     torch.testing.assert_close(block_loss.detach() * (weights.sum() + 1e-6), expected, rtol=1e-4, atol=0)

@@ -254,6 +254,8 @@ def build_trainer_core(
     )
     if spec.cfg.step_loss_weights is not None:  # else the library's own decay, untouched
         core.position_weights = spec.variant.step_weights(spec.cfg)
+    if spec.cfg.on_policy_from_step >= 0:  # the on-policy stage's loss (variants/dflash.py, ChunkedBlockLoss)
+        core.after_rejection_weight = spec.cfg.on_policy_after_rejection_weight
     return core
 
 

@@ -62,6 +62,7 @@ class DFlashConfig:
     on_policy_from_step: int = -1  # the on-policy stage from this step on (training/serving_anchors.py; -1: off)
     on_policy_anchor_fraction: float = 1.0  # share of a row's blocks at its mined round starts in that stage
     on_policy_reverse_kl_weight: float = 1.0  # tau^2 KL(draft || target) at a block's first rejected position
+    on_policy_after_rejection_weight: float = 0.0  # the run's loss terms at positions not accepted (0: none there)
     draft_model_config: dict = field(default_factory=dict)
 
 
@@ -102,6 +103,8 @@ def _on_policy_problems(cfg: DFlashConfig) -> Iterator[str]:
         yield f"dflash.on_policy_anchor_fraction={cfg.on_policy_anchor_fraction} must be in (0, 1]"
     if cfg.on_policy_reverse_kl_weight < 0:
         yield f"dflash.on_policy_reverse_kl_weight={cfg.on_policy_reverse_kl_weight} must be >= 0"
+    if not 0 <= cfg.on_policy_after_rejection_weight <= 1:
+        yield f"dflash.on_policy_after_rejection_weight={cfg.on_policy_after_rejection_weight} must be in [0, 1]"
     if cfg.serving_anchor_fraction > 0:
         yield ("dflash.on_policy_from_step and dflash.serving_anchor_fraction both place blocks at mined round starts "
                "(every start vs. post-correction ones): set serving_anchor_fraction=0 or on_policy_from_step=-1")

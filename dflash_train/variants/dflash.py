@@ -24,7 +24,8 @@ class ChunkedBlockLoss:
 
     With ``on_policy`` set (by the training module, in the on-policy stage) the block loss is shaped by what
     serving accepts (:func:`accepted_prefix`): the run's terms on each block's accepted prefix, the reverse KL
-    at its first rejected position, nothing after it.
+    at its first rejected position, and the run's terms times ``after_rejection_weight`` at every position
+    that is not accepted (0: nothing after the first rejection; 1: the ordinary loss there).
     """
 
     def __init__(self, *args, loss_chunk_size: int, loss_terms: LossTerms = CROSS_ENTROPY, **kwargs):
@@ -36,6 +37,7 @@ class ChunkedBlockLoss:
         self.supervised_bound: int | None = None  # the batch's supervised tokens (host), set around a forward
         self.position_weights: list[float] | None = None  # dflash.step_loss_weights (None: the library's decay)
         self.on_policy = False  # the on-policy stage's loss (set by the training module around a forward)
+        self.after_rejection_weight = 0.0  # dflash.on_policy_after_rejection_weight
         self.weighted_ce: torch.Tensor | None = None  # Σ w·CE of the last forward at every supervised position
 
     def depth_weighted(self, mask: torch.Tensor) -> torch.Tensor:
@@ -62,7 +64,8 @@ class ChunkedBlockLoss:
         In the on-policy stage a first pass without gradient reads the draft's proposals at every position
         (its predictions, top-k, and the hard-label CE, which stay what the step reports), and a second pass
         computes the loss at the positions :func:`accepted_prefix` keeps: the run's terms on each block's
-        accepted prefix, ``reverse_kl`` at its first rejection. It is normalised by the same Σ w as the
+        accepted prefix (and, times ``after_rejection_weight``, elsewhere), ``reverse_kl`` at its first
+        rejection. It is normalised by the same Σ w as the
         ordinary loss, so a kept position's gradient has the size it has off-policy.
         """
         bound = position_bound(weights, self.supervised_bound)
@@ -74,7 +77,8 @@ class ChunkedBlockLoss:
             seen = self._chunked_head(hidden.detach(), targets, weights, CROSS_ENTROPY, None, top_k, bound)
         accepted, first_rejection = accepted_prefix(seen.predictions, targets, weights != 0)
         reverse = weights * first_rejection if self.loss_terms.reverse_kl else None
-        shaped = self._chunked_head(hidden, targets, weights * accepted, self.loss_terms, teacher, 0, bound, reverse)
+        kept = accepted + self.after_rejection_weight * (1.0 - accepted)
+        shaped = self._chunked_head(hidden, targets, weights * kept, self.loss_terms, teacher, 0, bound, reverse)
         self.weighted_ce = seen.weighted_nll.detach()
         return HeadLoss(shaped.weighted_loss, seen.weighted_nll, seen.predictions, seen.top_ids)
 
