@@ -61,6 +61,7 @@ CE_KL = ("dflash.loss_ce_weight=0.5", "dflash.loss_kl_weight=0.5")
 # the on-policy stage over the last third of the default 600 steps, mining each batch every other step
 ON_POLICY = ("dflash.on_policy_from_step=400", "dflash.serving_anchor_every=2")
 ON_POLICY_FULL = ON_POLICY + ("dflash.on_policy_after_rejection_weight=1",)  # the ordinary loss after a rejection
+ON_POLICY_ANCHORS = ON_POLICY_FULL + ("dflash.on_policy_reverse_kl_weight=0",)  # only the blocks move: the ordinary loss
 
 # name -> (draft variant, training data, label_source, extra recipe overrides)
 VARIANTS = {
@@ -81,6 +82,7 @@ VARIANTS = {
     "dflash2+on_policy": ("dflash2", "offline", "ground_truth", ON_POLICY),
     "dflash+on_policy_full": ("dflash", "offline", "ground_truth", ON_POLICY_FULL),
     "dflash2+on_policy_full": ("dflash2", "offline", "ground_truth", ON_POLICY_FULL),
+    "dflash2+on_policy_anchors": ("dflash2", "offline", "ground_truth", ON_POLICY_ANCHORS),
 }
 # the distillation comparison (docs/benchmarks.md): about an hour on 2 cores at 600 steps and 3 seeds
 DEFAULT_VARIANTS = ["dflash", "dflash+kl", "dflash+kl_tv", "dflash2", "dflash2+kl_tv"]
