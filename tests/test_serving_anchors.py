@@ -127,6 +127,7 @@ def test_serving_anchors_mine_steer_training_and_resume_exactly(tiny_salm_dir, d
     (["dflash.on_policy_from_step=2", "data.train_ds.packing=true", "++data.train_ds.batch_size=null"],
      "dflash.on_policy_from_step needs padded batches"),
     (["dflash=mtp", "dflash.on_policy_from_step=2"], "dflash.on_policy_from_step is a DFlash key the mtp"),
+    (["dflash.on_policy_reverse_kl_weight=0.5"], "dflash.on_policy_reverse_kl_weight is set but the on-policy stage is off"),
 ])
 def test_serving_anchor_mistakes_are_one_line_errors(tiny_salm_dir, demo_data, tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -90,11 +90,21 @@ def _loss_problems(cfg: DFlashConfig) -> Iterator[str]:
         yield f"dflash.distill_top_k={cfg.distill_top_k} must be >= 0 (0: the target's whole distribution)"
     if cfg.on_policy_from_step >= 0:
         yield from _on_policy_problems(cfg)
+    else:
+        defaults = DFlashConfig()
+        idle = [key for key in ON_POLICY_KEYS if getattr(cfg, key) != getattr(defaults, key)]
+        if idle:
+            yield (f"dflash.{idle[0]} is set but the on-policy stage is off (dflash.on_policy_from_step=-1): set "
+                   "on_policy_from_step to the step it starts at, or remove the key")
     if (cfg.loss_kl_weight > 0 or cfg.loss_tv_weight > 0) and cfg.loss_chunk_size == 0:
         yield (
             "dflash.loss_kl_weight / loss_tv_weight (distillation) with dflash.loss_chunk_size=0: only the chunked loss "
             "distills; set loss_chunk_size > 0 (the default 256) or the two weights to 0"
         )
+
+
+ON_POLICY_KEYS = ("on_policy_anchor_fraction", "on_policy_reverse_kl_weight", "on_policy_after_rejection_weight")
+"""The on-policy stage's keys besides ``on_policy_from_step``: they mean nothing while the stage is off."""
 
 
 def _on_policy_problems(cfg: DFlashConfig) -> Iterator[str]:
