@@ -91,8 +91,7 @@ def _loss_problems(cfg: DFlashConfig) -> Iterator[str]:
     if cfg.on_policy_from_step >= 0:
         yield from _on_policy_problems(cfg)
     else:
-        defaults = DFlashConfig()
-        idle = [key for key in ON_POLICY_KEYS if getattr(cfg, key) != getattr(defaults, key)]
+        idle = changed_from_default(cfg, ON_POLICY_KEYS)
         if idle:
             yield (f"dflash.{idle[0]} is set but the on-policy stage is off (dflash.on_policy_from_step=-1): set "
                    "on_policy_from_step to the step it starts at, or remove the key")
@@ -101,6 +100,12 @@ def _loss_problems(cfg: DFlashConfig) -> Iterator[str]:
             "dflash.loss_kl_weight / loss_tv_weight (distillation) with dflash.loss_chunk_size=0: only the chunked loss "
             "distills; set loss_chunk_size > 0 (the default 256) or the two weights to 0"
         )
+
+
+def changed_from_default(cfg: DFlashConfig, keys) -> list[str]:
+    """The ``keys`` of ``cfg`` whose value differs from the shared schema's default (keys that were set)."""
+    defaults = DFlashConfig()
+    return [key for key in keys if getattr(cfg, key) != getattr(defaults, key)]
 
 
 ON_POLICY_KEYS = ("on_policy_anchor_fraction", "on_policy_reverse_kl_weight", "on_policy_after_rejection_weight")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_train.variants.base import DFlashConfig, DraftVariant
+from dflash_train.variants.base import DFlashConfig, DraftVariant, changed_from_default
 
 
 @dataclass
@@ -78,10 +78,8 @@ class MTP(DraftVariant):
                 "sublayers only ('*', e.g. '*' or '**')"
             )
         yield from super().config_problems(cfg)
-        defaults = DFlashConfig()
-        for key in DFLASH_ONLY_KEYS:
-            if getattr(cfg, key) != getattr(defaults, key):
-                yield f"dflash.{key} is a DFlash key the mtp variant does not use; remove it (dflash=mtp)"
+        for key in changed_from_default(cfg, DFLASH_ONLY_KEYS):
+            yield f"dflash.{key} is a DFlash key the mtp variant does not use; remove it (dflash=mtp)"
         if cfg.attention_backend == "flex_attention":
             yield "dflash.attention_backend=flex_attention: the MTP step trains with sdpa; set it to sdpa or null"
 
