@@ -179,7 +179,9 @@ def test_the_module_feeds_the_final_hidden_state_and_audio_fused_embeddings(tiny
         ("dflash.num_nextn_predict_layers=0", "dflash.num_nextn_predict_layers=0 must be >= 1"),
         ("dflash.hybrid_override_pattern=E", "dflash.hybrid_override_pattern='E': the trained MTP step"),
         ("dflash.step_loss_weights=[1.0]", "dflash.step_loss_weights=[1.0] must list 2 non-negative weights"),
-        ("dflash.target_layer_ids=[1]", "dflash.target_layer_ids is a DFlash key the mtp variant does not use"),
+        ("dflash.target_layer_ids=[1]",
+         "dflash.target_layer_ids is a DFlash key the mtp variant does not use; remove it (override "
+         "~dflash.target_layer_ids)"),
         ("dflash.block_size=4", "dflash.block_size is a DFlash key the mtp variant does not use"),
         ("+dflash.selector_rank=8", "config key 'dflash.selector_rank' belongs to variant dflash2"),
     ],

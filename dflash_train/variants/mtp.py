@@ -79,7 +79,7 @@ class MTP(DraftVariant):
             )
         yield from super().config_problems(cfg)
         for key in changed_from_default(cfg, DFLASH_ONLY_KEYS):
-            yield f"dflash.{key} is a DFlash key the mtp variant does not use; remove it (dflash=mtp)"
+            yield f"dflash.{key} is a DFlash key the mtp variant does not use; remove it (override ~dflash.{key})"
         if cfg.attention_backend == "flex_attention":
             yield "dflash.attention_backend=flex_attention: the MTP step trains with sdpa; set it to sdpa or null"
 
