@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import same_tensors
@@ -11,6 +14,8 @@ from conftest import same_tensors
 from dflash_train.cli.export_target import main
 from dflash_train.constants import AUDIO_LOCATOR_TAG, SALM_ARCHITECTURE
 from dflash_train.target.vllm_export import EMBEDDED_ASR, TargetExportError, export_target, serve_command
+
+BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +54,15 @@ def test_nemo_loads_the_export_with_identical_weights(tiny_target, exported):
 
 
 def test_in_place_rerun_fixes_paths_after_a_move(exported, tmp_path):
+    """Through the installed command: its output is the one line saying what it wrote (no transformers notice
+    about the ``nemo_speechlm`` model type)."""
     moved = shutil.copytree(exported, tmp_path / "moved")
     assert json.loads((moved / "config.json").read_text())["pretrained_llm"] == str(exported / "llm_backbone")
-    assert main([str(moved), str(moved)]) == 0
+    proc = subprocess.run([str(BIN / "dflash-export-target"), str(moved), str(moved)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "nemo_speechlm" not in proc.stdout + proc.stderr
+    assert proc.stdout == f"dflash-export-target: wrote {moved}\n"
     assert json.loads((moved / "config.json").read_text())["pretrained_llm"] == str(moved / "llm_backbone")
 
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from dflash_train.cli.common import add_debug_argument, run_command
+from dflash_train.cli.console import configure_console
 from dflash_train.files import check_writable_directory
 from dflash_train.target.vllm_export import draft_speculative_tokens, export_target, serve_command
 
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", help="a draft export: also print the vllm serve command for both")
     add_debug_argument(parser)
     args = parser.parse_args(argv)
+    configure_console()
 
     def body() -> int:
         k = draft_speculative_tokens(args.draft) if args.draft else None  # a bad --draft fails before writing
