@@ -107,3 +107,66 @@ def test_a_packed_run_logs_its_coverage_and_a_per_document_budget_raises_it(tiny
     (per_row, row_unreached), (per_document, document_unreached) = coverage["per_row"], coverage["per_document"]
     assert len(per_row) == len(per_document) == 3 and all(0 < value <= 1 for value in per_row + per_document)
     assert all(d > r for d, r in zip(per_document, per_row)) and max(document_unreached) < min(row_unreached)
+
+
+def _trainer_core(block_size: int, num_anchors: int, budget: str):
+    """The trainer core a run builds (the block family's ``build_core``, as ``DFlashDraftModule`` calls it) for a
+    tiny Qwen3-shaped target: only its anchor draw is used here."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config
+
+    from dflash_train.draft import DraftSpec
+    from dflash_train.draft.family import family_of
+    from dflash_train.variants import variant_named
+
+    llm = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16)
+    target = SimpleNamespace(llm_config=llm, lm_head=torch.nn.Linear(32, 64, bias=False),
+                             embed_tokens=torch.nn.Embedding(64, 32))
+    cfg = variant_named("dflash").config_schema(block_size=block_size, num_anchors=num_anchors, anchor_budget=budget,
+                                                draft_num_hidden_layers=1)
+    spec = DraftSpec(cfg, (0, 1), 63, 2)
+    family = family_of(spec.variant)
+    return family.build_core(family.build_draft(target, spec, "sdpa"), target, spec, "sdpa", False)
+
+
+@pytest.mark.parametrize("budget", ["per_document", "per_row"])
+def test_every_drawn_anchor_has_its_whole_block_inside_its_document(budget):
+    """Guards the anchor validity rule of nemo_automodel's DFlash core (``_sample_anchor_positions``): an anchor
+    ``a`` is supervised and its whole block ``a .. a + block_size - 1`` lies inside ``a``'s document
+    (``doc_remaining >= block_size - 1``), else the block is supervised on the next document's tokens. Checked
+    on the trainer core a run builds, for both budgets, over random packed rows whose documents are around
+    ``block_size`` long, with a budget large enough that every valid position is drawn. The per-document draw
+    accepting one position too late (``doc_remaining >= block_size - 2``) fails here at the first row."""
+    from dflash_train.data.packing import document_layout
+
+    block_size, width = 4, 40
+    core = _trainer_core(block_size, num_anchors=width, budget=budget)
+    generator = torch.Generator().manual_seed(0)
+    checked = late = 0
+    for trial in range(60):
+        rows = []
+        for _ in range(3):  # documents of block_size - 2 .. block_size + 2 tokens, the rest padding
+            lengths = []
+            while sum(lengths) < width - block_size - 3:
+                lengths.append(int(torch.randint(block_size - 2, block_size + 3, (1,), generator=generator)))
+            rows.append(torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)]
+                                  + [torch.full((width - sum(lengths),), -1)]))
+        doc_ids = torch.stack(rows)
+        layout = document_layout(doc_ids, int(doc_ids.max()) + 1)
+        supervised = (doc_ids >= 0) & (torch.rand(doc_ids.shape, generator=generator) < 0.9)
+        torch.manual_seed(trial)
+        anchors, keep = core._sample_anchor_positions(width, supervised.float(), torch.device("cpu"),
+                                                      doc_remaining=layout.doc_remaining)
+        assert keep.any()
+        for row in range(doc_ids.shape[0]):
+            for a in anchors[row][keep[row]].tolist():
+                last = a + block_size - 1
+                inside = last < width and bool((doc_ids[row, a:last + 1] == doc_ids[row, a]).all())
+                assert supervised[row, a] and doc_ids[row, a] >= 0, f"anchor {a} of row {row} is not supervised"
+                assert inside, (f"trial {trial}, row {row}: anchor {a} (document {int(doc_ids[row, a])}) has its block "
+                                f"{a}..{last} leave its document: {doc_ids[row, a:last + 1].tolist()}")
+                checked += 1
+        late += int((supervised & (layout.doc_remaining == block_size - 2)).sum())
+    assert checked > 1000 and late > 100  # many anchors, and many positions one too late to be one

@@ -290,3 +290,55 @@ def test_integer_shard_members_are_checked_at_their_header_and_only_the_garbage_
     monkeypatch.setattr(inputs, "_check_finite", lambda cut, *args: (decoded.append(cut.id), check_finite(cut, *args)))
     stream, counter = _stream(_inputs(kind, shar_dir, tarred), tiny_target, audio_estimator)
     assert len(list(stream)) > 0 and dict(counter.counts) == {"unreadable_audio": 1} and len(decoded) == garbage_decodes
+
+
+@pytest.fixture(scope="module")
+def odd_shar_dir(source_cuts, tmp_path_factory) -> Path:
+    """The demo speech in Shar shards of an odd size (4 shards of 5 records): another shard order moves records from
+    one rank's share to the other's (with even shards every record would keep its index's parity)."""
+    out = tmp_path_factory.mktemp("odd_shar")
+    CutSet(source_cuts).to_shar(out, fields={"recording": "wav"}, shard_size=5)
+    return out
+
+
+def test_the_ranks_of_a_run_deal_a_shar_input_disjointly_and_completely(tiny_salm_dir, tiny_target, demo_data,
+                                                                       odd_shar_dir, source_cuts, tmp_path,
+                                                                       monkeypatch):
+    """Guards the Shar shard order of a multi-rank run: the data module the recipe builds (``build_datamodule``),
+    as rank 0 and rank 1 of 2 (told by the process group, as under torchrun before the trainer attaches), must read
+    the shards in one order on every rank, so that dealing records by index gives the ranks disjoint shares whose
+    union is every record. A shard order seeded per rank (``seed + rank``) makes the ranks deal from different
+    orders: shared records and lost ones."""
+    import torch.distributed as dist
+
+    from dflash_train.training.recipe import build_datamodule
+
+    run = demo_recipe(tiny_salm_dir, demo_data, tmp_path,
+                      f"data.train_ds.input_cfg=[{{type: lhotse_shar, shar_path: '{odd_shar_dir}'}}]",
+                      "data.train_ds.use_bucketing=false", "data.train_ds.shuffle=false",
+                      "data.train_ds.batch_tokens=400").run
+    everything = sorted(cut.id for cut in source_cuts)
+    shares = {}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        for rank in (0, 1):
+            monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+            module = build_datamodule(run, tiny_target)
+            assert (module.rank, module.world_size) == (rank, 2)
+            first_pass: list[str] = []  # the ids before the first repeat: unshuffled, the stream's second pass
+            for batch in module.train_dataloader():  # endless
+                repeats = [i for i in batch.sample_ids if i in first_pass]
+                first_pass += batch.sample_ids[:batch.sample_ids.index(repeats[0])] if repeats else batch.sample_ids
+                assert len(first_pass) <= len(everything), first_pass
+                if repeats:
+                    break
+            shares[rank] = first_pass
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+    shared = set(shares[0]) & set(shares[1])
+    lost = set(everything) - set(shares[0]) - set(shares[1])
+    assert not shared and not lost, (f"ranks 0 and 1 of 2 share {len(shared)} records and lose {len(lost)} of "
+                                     f"{len(everything)}: {sorted(shared)[:4]} / {sorted(lost)[:4]}")
+    assert sorted(shares[0] + shares[1]) == everything and abs(len(shares[0]) - len(shares[1])) <= 1
