@@ -258,6 +258,8 @@ def test_the_cli_trains_mtp_heads_and_dflash_eval_decodes_the_export(tiny_salm_d
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     data = json.loads(report.read_text())
     assert data["settings"]["num_speculative_tokens"] == 2  # the trained head count
+    assert data["settings"]["draft_training_steps"] == {"mtp": 4}  # the export's training_info, as a draft's
+    assert re.search(r"^export at step +4$", proc.stdout, re.MULTILINE), proc.stdout
     assert data["drafts"]["mtp"]["greedy_equal"] and data["drafts"]["mtp"]["acceptance"]["rounds"] > 0
 
 

@@ -154,7 +154,7 @@ def prepare(
         perception_dtype=perception_dtype,
         draft_sha256={name: weights_digest(_weights_of(path, context.checkpoint())) for name, path in drafts.items()},
         draft_training_steps={
-            name: None if path == TARGET_MTP_HEADS else export_training_step(path) for name, path in drafts.items()
+            name: export_training_step(_weights_of(path, context.checkpoint())) for name, path in drafts.items()
         },
         limit=limit,
         sample_ids=tuple(sample_ids) if sample_ids else None,
