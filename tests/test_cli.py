@@ -34,12 +34,15 @@ def test_console_script_rejects_bad_key_in_one_line(tmp_path):
     )
 
 
-def test_torchrun_launches_the_module_on_every_rank(tmp_path):
+def test_torchrun_launches_the_module_on_every_rank(tiny_salm_dir, tmp_path):
+    cuts = tmp_path / "cuts.jsonl"
+    cuts.write_text('{"id": "utt-1"}\n')  # the config check reads no record
     proc = _run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dflash_train",
-                 "--config-name=dflash", "--cfg", "job", "model.pretrained_name=/x", "data.train_ds.input_cfg=[]"],
-                tmp_path)
+                 "--config-name=dflash", "--cfg", "job", f"model.pretrained_name={tiny_salm_dir}",
+                 f"data.train_ds.input_cfg=[{{type: lhotse_as_conversation, cuts_path: {cuts}}}]"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("num_anchors: 512") == 2
+    assert proc.stderr.count("# config check passed") == 2
 
 
 def _demo_args(salm_dir, demo_data, run_dir):
@@ -106,14 +109,17 @@ def test_torchrun_trains_with_two_fsdp2_ranks(tiny_salm_dir, demo_data, tmp_path
 
 
 def test_user_config_dir_inherits_the_recipe(tmp_path):
+    """The run config is printed whole, then checked as a launch checks it (its data path does not exist here)."""
     (tmp_path / "my_run.yaml").write_text(
         "defaults:\n  - dflash\n  - _self_\nmodel:\n  pretrained_name: /ckpt/my_salm\n"
         "data:\n  train_ds:\n    input_cfg:\n      - {type: lhotse_as_conversation, cuts_path: /data/t.jsonl.gz}\n"
     )
     proc = _run([str(BIN / "dflash-train"), f"--config-dir={tmp_path}", "--config-name=my_run", "--cfg", "job",
                  "--resolve"], tmp_path)
-    assert proc.returncode == 0, proc.stderr
     assert "pretrained_name: /ckpt/my_salm" in proc.stdout and "num_anchors: 512" in proc.stdout
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == (
+        "config error: data.train_ds.input_cfg[0].cuts_path='/data/t.jsonl.gz' does not exist"
+    ), proc.stderr[-2000:]
     assert "mandatory" not in proc.stderr
 
 

@@ -96,6 +96,8 @@ def test_dflash_group_selects_the_variant_schema():
         (["trainer.precision=16-mixed"], "trainer.precision='16-mixed' is not supported; use a BF16 mode"),
         (["trainer.precision=32"], "trainer.precision='32' is not supported"),
         (["dflash.loss_chunk_size=-1"], "dflash.loss_chunk_size=-1 must be >= 0"),
+        (["dflash.use_fused_linear_ce=true"],
+         "dflash.use_fused_linear_ce=true: NeMo's fused linear cross-entropy is not run here; the chunked loss replaces it"),
         (["dflash.projection_only=true"], "dflash.projection_only=true requires dflash.init_from_pretrained"),
         (
             ["dflash=dflash", "dflash.projection_only=true", "dflash.init_from_pretrained=/d"],
@@ -179,6 +181,25 @@ def test_use_multimodal_sampling_false_with_a_sample_count_is_valid():
 def test_missing_mandatory_values_are_named():
     with pytest.raises(ConfigError, match="mandatory config value.*model.pretrained_name, data.train_ds.input_cfg"):
         validate_config(compose("dflash"))
+
+
+def test_an_override_key_is_checked_against_the_schema_before_composing():
+    """``dflash-train``'s check of a plain override's key (tests/test_config_check.py runs it through the CLI)."""
+    from dflash_train.config.validate import check_override_key
+
+    for known in ("dflash.num_anchors", "dflash.selector_rank", "dflash.num_nextn_predict_layers", "trainer.devices",
+                  "trainer.strategy.ep_size", "data.validation_ds.input_cfg.0.cuts_path",
+                  "dflash.draft_model_config.rope_theta", "model.salm.pretrained_llm", "dflash"):
+        check_override_key(known)  # any variant's key, a Lightning argument, below a dict: Hydra and the schema decide
+    for key, message in [
+        ("data.train_ds.input_cfg.0.cuts_pth", "unknown config key 'data.train_ds.input_cfg[0].cuts_pth'; did you mean "
+         "'cuts_path'?"),
+        ("trainer.strategy.ep_sise", "unknown config key 'trainer.strategy.ep_sise'; did you mean 'ep_size'?"),
+        ("trainer.max_stepz", "unknown config key 'trainer.max_stepz'; did you mean 'max_steps'?"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            check_override_key(key)
+        assert str(err.value) == message
 
 
 def test_draft_model_config_passes_non_managed_keys():

@@ -2,8 +2,8 @@
 
 Runs ``dflash-train``'s real entry point (Hydra's ``@hydra.main``, the same ``main`` the console
 script calls) once per row in this one process, with that row's command-line arguments, and
-writes each row's exit code and everything it printed on stderr. One interpreter start for the
-whole matrix instead of one per row.
+writes each row's exit code and everything it printed on stderr and stdout (``--cfg``: the config).
+One interpreter start for the whole matrix instead of one per row.
 """
 
 import contextlib
@@ -24,8 +24,8 @@ def main() -> None:
     for name, argv in rows:
         GlobalHydra.instance().clear()
         sys.argv = ["dflash-train", *argv]
-        stderr, code = io.StringIO(), 0
-        with contextlib.redirect_stderr(stderr):
+        stderr, stdout, code = io.StringIO(), io.StringIO(), 0
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(stdout):
             try:
                 train_main()
             except SystemExit as exit:  # what the interpreter would print and return at exit
@@ -33,7 +33,7 @@ def main() -> None:
         if isinstance(code, str):
             stderr.write(code + "\n")
             code = 1
-        results[name] = {"code": code or 0, "stderr": stderr.getvalue()}
+        results[name] = {"code": code or 0, "stderr": stderr.getvalue(), "stdout": stdout.getvalue()}
     results_file.write_text(json.dumps(results))
 
 

@@ -1,8 +1,10 @@
 """Check a composed recipe against the schema before anything expensive happens.
 
 Three passes, each failing with a one-line :class:`ConfigError` that names the key:
-unknown keys (with the nearest valid key), types and mandatory values, then the
-cross-field rules of the recipe (the table :data:`RULES`, then the variant's own rules).
+unknown keys (with the nearest valid key; :func:`check_config_keys`, which also checks a
+command-line override's key before Hydra composes, :func:`check_override_key`), types and
+mandatory values, then the cross-field rules of the recipe (the table :data:`RULES`, then the
+variant's own rules).
 Rules that need the target's sizes (tap ids, mask token id, the variant's shapes) live in
 :func:`validate_against_target`. Nothing here changes a value except that a precision
 alias is replaced by the name it stands for.
@@ -86,6 +88,11 @@ def _nearest(key: str, valid: list[str]) -> str:
     return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(valid))}"
 
 
+def _unknown_key(full: str, valid: list[str]) -> ConfigError:
+    """The one error of a key no schema field takes: the full key and the nearest valid one."""
+    return ConfigError(f"unknown config key '{full}'{_nearest(full.rsplit('.', 1)[-1], valid)}")
+
+
 def _check_unknown_keys(node: DictConfig, schema: type, path: str = "") -> None:
     fields = {f.name: f for f in dataclasses.fields(schema)}
     extra = lightning_trainer_args() if schema is TrainerConfig else frozenset()
@@ -99,7 +106,7 @@ def _check_unknown_keys(node: DictConfig, schema: type, path: str = "") -> None:
                     f"config key '{full}' belongs to variant {owners[0]}, not {node.get('variant')}; choose the "
                     f"variant with the config group (dflash={node.get('variant')}) instead of overriding dflash.variant"
                 )
-            raise ConfigError(f"unknown config key '{full}'{_nearest(str(key), valid)}")
+            raise _unknown_key(full, valid)
         if key not in fields:
             continue
         child_schema = _dataclass_type(fields[key].type)
@@ -114,6 +121,34 @@ def _check_unknown_keys(node: DictConfig, schema: type, path: str = "") -> None:
             for index, item in enumerate(child):
                 if isinstance(item, DictConfig):
                     _check_unknown_keys(item, child_schema, f"{full}[{index}]")
+
+
+def check_override_key(key: str) -> None:
+    """A command-line override's dotted ``key`` (``dflash.num_anchors``, ``data.train_ds.input_cfg.0.cuts_path``)
+    against the schema, before Hydra composes: a key no field takes is the error a typo in a YAML file gives,
+    naming the nearest valid key, instead of Hydra's "not in struct".
+
+    The variant is known only after composition, so under ``dflash`` a key of any variant passes here (the
+    composed config is checked against its own variant). Nothing below a pass-through field (a ``dict`` or
+    ``Any`` field, a ``lightning.Trainer`` argument under ``trainer``) is checked.
+    """
+    schema: type | None = RunConfig
+    path: list[str] = []
+    for part in key.split("."):
+        if part.isdigit() and path:  # an item of a list of inputs, written as a YAML typo's error writes it
+            path[-1] += f"[{part}]"
+            continue
+        path.append(part)
+        variants = [v.config_schema for v in VARIANTS.values()] if issubclass(schema, DFlashConfig) else [schema]
+        fields = {f.name: f for s in variants for f in dataclasses.fields(s)}
+        extra = lightning_trainer_args() if schema is TrainerConfig else frozenset()
+        if part not in fields and part in extra:
+            return
+        if part not in fields:
+            raise _unknown_key(".".join(path), [*fields, *sorted(extra)])
+        schema = _dataclass_type(fields[part].type)
+        if schema is None:
+            return
 
 
 def _dataclass_type(annotation: Any) -> type | None:
@@ -314,6 +349,12 @@ RULES: tuple[Rule, ...] = (
         "0 materialises the full logits)",
     ),
     Rule(
+        lambda run: not run.dflash.use_fused_linear_ce,
+        lambda run: "dflash.use_fused_linear_ce=true: NeMo's fused linear cross-entropy is not run here; the chunked "
+        "loss replaces it (dflash.loss_chunk_size positions per LM-head chunk bound the logits' memory): set "
+        "use_fused_linear_ce=false and size the chunks with dflash.loss_chunk_size",
+    ),
+    Rule(
         lambda run: not run.dflash.projection_only or variant_named(run.dflash.variant).supports_projection_only,
         lambda run: "dflash.projection_only=true requires dflash.variant="
         + " or ".join(name for name, v in VARIANTS.items() if v.supports_projection_only),
@@ -401,10 +442,18 @@ def resolve_nemo_aliases(run: RunConfig) -> None:
             )
 
 
-def validate_config(cfg: DictConfig) -> ValidatedConfig:
-    """Validate a composed recipe; returns the typed config or raises a one-line :class:`ConfigError`."""
+def check_config_keys(cfg: DictConfig) -> DictConfig:
+    """The first pass: NeMo's ``input_cfg`` forms expanded, then every key against the schema (an unknown one
+    names the nearest valid key). It reads no value but ``dflash.variant``, so it runs on a config whose
+    mandatory ``???`` values are still unset; returns the expanded config."""
     cfg = expand_nemo_inputs(cfg)
     _check_unknown_keys(cfg, RunConfig)
+    return cfg
+
+
+def validate_config(cfg: DictConfig) -> ValidatedConfig:
+    """Validate a composed recipe; returns the typed config or raises a one-line :class:`ConfigError`."""
+    cfg = check_config_keys(cfg)
     run, trainer_kwargs = _typed(cfg)
     resolve_nemo_aliases(run)
     resolve_nemo_model_keys(run)

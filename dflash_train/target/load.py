@@ -68,9 +68,10 @@ def open_speech_target(model: ModelConfig, dtype: torch.dtype = torch.float32) -
     return target.to(dtype)
 
 
-def load_target_for_run(run: RunConfig, dtype: torch.dtype = torch.float32, world_size: int = 1) -> LoadedTarget:
-    """Check taps, mask id and expert parallelism (``world_size`` ranks) against the target's config files, then
-    load and freeze the target in ``dtype``."""
+def check_target_for_run(run: RunConfig, world_size: int = 1) -> list[int]:
+    """The draft's tap ids (derived from the target's depth when ``dflash.target_layer_ids`` is null), after
+    checking them, the mask token id, the variant's sizes and expert parallelism over ``world_size`` ranks
+    against the target's config files, before any weight loads (``dflash-train --cfg job`` runs it too)."""
     from dflash_train.variants import variant_named
 
     dims = read_target_dims(run.model)
@@ -86,6 +87,14 @@ def load_target_for_run(run: RunConfig, dtype: torch.dtype = torch.float32, worl
     problem = expert_parallel_problem(run.trainer.strategy.ep_size, world_size, llm_config_for(run.model))
     if problem:
         raise ConfigError(problem)
+    return layer_ids
+
+
+def load_target_for_run(run: RunConfig, dtype: torch.dtype = torch.float32, world_size: int = 1) -> LoadedTarget:
+    """Check the run against the target's config files (:func:`check_target_for_run`), then load and freeze the
+    target in ``dtype``."""
+    layer_ids = check_target_for_run(run, world_size)
     target = open_speech_target(run.model, dtype)
+    d = run.dflash
     mask_token_id = d.mask_token_id if d.mask_token_id is not None else target.default_mask_token_id()
     return LoadedTarget(target, layer_ids, mask_token_id)

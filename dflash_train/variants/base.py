@@ -50,6 +50,7 @@ class DFlashConfig:
     optimizer: Optional[dict] = None
     lr_scheduler: Optional[dict] = None
     loss_chunk_size: int = 256
+    use_fused_linear_ce: bool = False  # NeMo's recipe key, accepted as NeMo writes it; true is refused (chunked loss)
     attention_backend: Optional[str] = None
     compile_recompile_limit: int = 8  # entries per compiled function of a flex run before the run stops
     gradient_checkpointing: bool = False
