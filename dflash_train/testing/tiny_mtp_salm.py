@@ -20,6 +20,11 @@ and ``E`` (MoE); ``--native-names`` writes the LLM under ``SALMAutomodel``'s nat
 (nemo_automodel's ``mixer._fp32_params.*``, packed ``gate_and_up_projs`` / ``down_projs`` experts and a
 Transformer Engine ``_extra_state``), the layout the runbook's targets are stored in.
 
+The sizes are :mod:`~dflash_train.testing.tiny_salm`'s options (``--hidden-size``, ``--attention-heads``,
+``--vocab``, ...; ``--layers`` only with ``--backbone qwen3``: a Nemotron-H backbone has one block per pattern
+character), plus ``--mamba-heads``/``--mamba-head-dim`` and ``--experts``/``--experts-per-token`` for ``M``
+and ``E`` blocks; ``--help`` lists every option with its default.
+
 ``--heads N`` sets ``mtp.num_nextn_predict_layers``; the default stores one MTP step
 (``use_repeated_layer: true``, the layer the trainer applied N times), ``--distinct`` stores N
 separate steps (``use_repeated_layer: false``), which the plugin refuses to serve. ``--echo``
@@ -29,19 +34,30 @@ straight through the MTP step; ``--echo-attention-std S`` lets its attention and
 input act with weights of scale S (proposals then depend on the whole MTP computation).
 
     python -m dflash_train.testing.tiny_mtp_salm --out DIR [--heads N] [--distinct] [--echo [--echo-attention-std S]]
+        [--backbone-pattern M*-E] [--hidden-size H] [--experts E] ...
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from dflash_train.constants import AUDIO_LOCATOR_TAG, CONFIG_FILE, LLM_BACKBONE_DIR, SALM_ARCHITECTURE, WEIGHTS_FILE
 from dflash_train.target.vllm_export import EMBEDDED_ASR
-from dflash_train.testing.tiny_salm import TinySALMSpec, _train_tokenizer, tiny_perception_config
+from dflash_train.testing.tiny_salm import (
+    DefaultsHelp,
+    OneLineErrors,
+    ShapeError,
+    TinySALMSpec,
+    _train_tokenizer,
+    add_shape_arguments,
+    positive,
+    shape_from_arguments,
+    tiny_perception_config,
+)
 
 QWEN3_ECHO_LAYER_STD = 0.2
 """Layer weights of the Qwen3 echo target: measured to give an echo head 11 % first-position acceptance
@@ -62,7 +78,22 @@ class TinyMTPSpec:
     echo_attention_std: float = 0.0  # > 0: the echo head's attention and hidden input also act (weakly)
     weight_std: float | None = 0.28  # random layer weights: greedy output repeats tokens now and then, not always;
     # None: every LLM weight is HF's own initialisation (a target about to be trained)
+    mamba_num_heads: int = 4  # an M block's heads, each mamba_head_dim wide
+    mamba_head_dim: int = 16
+    n_routed_experts: int = 4  # an E block's routed experts, num_experts_per_tok of them per token
+    num_experts_per_tok: int = 2
     sizes: TinySALMSpec = TinySALMSpec()
+
+    def check(self) -> None:
+        """A :class:`~dflash_train.testing.tiny_salm.ShapeError` for a pattern or expert count the builder cannot
+        write."""
+        if self.backbone == "nemotron_h" and (not self.backbone_pattern or set(self.backbone_pattern) - set("M*-E")):
+            raise ShapeError(f"backbone pattern {self.backbone_pattern!r}: Nemotron-H blocks are M, *, - and E")
+        if not self.mtp_pattern or set(self.mtp_pattern) - {"*"}:
+            raise ShapeError(f"MTP pattern {self.mtp_pattern!r}: the tiny builder writes attention ('*') MTP sublayers")
+        if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
+            raise ShapeError(f"{self.num_experts_per_tok} experts per token out of {self.n_routed_experts}: "
+                             "route each token to 1 to all of them")
 
 
 def _backbone_config(spec: TinyMTPSpec, vocab_size: int, tok):
@@ -78,13 +109,13 @@ def _backbone_config(spec: TinyMTPSpec, vocab_size: int, tok):
         head_dim=s.head_dim,
         intermediate_size=s.intermediate_size,
         max_position_embeddings=4096,
-        mamba_num_heads=4,
-        mamba_head_dim=16,
+        mamba_num_heads=spec.mamba_num_heads,
+        mamba_head_dim=spec.mamba_head_dim,
         n_groups=1,
         ssm_state_size=16,
         chunk_size=64,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
+        n_routed_experts=spec.n_routed_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
         moe_intermediate_size=s.intermediate_size // 2,
         moe_shared_expert_intermediate_size=s.intermediate_size // 2,
         n_group=1,
@@ -135,14 +166,12 @@ def _llm_weights(spec: TinyMTPSpec, vocab_size: int, generator, hf_init: dict) -
         elif kind == "M":  # Mamba-2 mixer: HF's own initialisation (its shapes and A/dt parametrisation)
             mixer = f"model.layers.{i}.mixer."
             weights.update({f"llm.{k}": v for k, v in hf_init.items() if k.startswith(mixer)})
-        elif kind == "E":  # MoE: HF's shapes, random weights large enough that routing and experts matter
+        else:  # E (TinyMTPSpec.check): MoE, HF's shapes, random weights large enough that routing and experts matter
             mixer = f"model.layers.{i}.mixer."
             for name, tensor in hf_init.items():
                 if name.startswith(mixer):
                     bias = name.endswith("e_score_correction_bias")
                     weights[f"llm.{name}"] = torch.zeros(tensor.shape) if bias else rand(*tensor.shape)
-        else:
-            raise ValueError(f"Nemotron-H blocks are M, *, - and E, not {kind!r}")
     return weights
 
 
@@ -156,8 +185,6 @@ def _mtp_weights(spec: TinyMTPSpec, generator) -> dict:
 
     s = spec.sizes
     h, q, kv = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
-    if set(spec.mtp_pattern) - {"*"}:
-        raise ValueError(f"the tiny builder writes attention ('*') MTP sublayers, not {spec.mtp_pattern!r}")
 
     def rand(*shape):
         return torch.randn(*shape, generator=generator) * spec.weight_std
@@ -209,17 +236,18 @@ def build_tiny_mtp_salm(out_dir: str | Path, spec: TinyMTPSpec = TinyMTPSpec(),
     from safetensors.torch import save_file
 
     if spec.heads < 0:
-        raise ValueError(f"heads={spec.heads}: a SpeechLM has zero or more MTP heads")
+        raise ShapeError(f"heads={spec.heads}: a SpeechLM has zero or more MTP heads")
+    spec.check()
     out_dir = Path(out_dir).resolve()
     if spec.backbone == "qwen3":
         if spec.heads < 1 or tokenizer_corpus is not None:
-            raise ValueError("the qwen3 backbone is the demo's target with MTP heads beside it: heads >= 1, "
+            raise ShapeError("the qwen3 backbone is the demo's target with MTP heads beside it: heads >= 1, "
                              "its own tokenizer")
         return _qwen3_salm_with_heads(out_dir, spec)
     if spec.backbone != "nemotron_h":
-        raise ValueError(f"backbone={spec.backbone!r}: the tiny builder writes nemotron_h or qwen3")
-    (out_dir / LLM_BACKBONE_DIR).mkdir(parents=True, exist_ok=True)
+        raise ShapeError(f"backbone={spec.backbone!r}: the tiny builder writes nemotron_h or qwen3")
     tok = _train_tokenizer(out_dir, spec.sizes.tokenizer_vocab, tokenizer_corpus)
+    (out_dir / LLM_BACKBONE_DIR).mkdir(parents=True, exist_ok=True)
     vocab_size = len(tok) + spec.sizes.spare_embedding_rows
     backbone = _backbone_config(spec, vocab_size, tok)
     backbone.save_pretrained(out_dir / LLM_BACKBONE_DIR)
@@ -312,15 +340,22 @@ def _qwen3_salm_with_heads(out_dir: Path, spec: TinyMTPSpec) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: write one tiny MTP SpeechLM."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory to write (created)")
-    parser.add_argument("--heads", type=int, default=TinyMTPSpec.heads, help="mtp.num_nextn_predict_layers")
+    """Command line: write one tiny MTP SpeechLM of the shape asked, print where and how to use it."""
+    parser = OneLineErrors(
+        prog="python -m dflash_train.testing.tiny_mtp_salm",
+        description=__doc__.splitlines()[0],
+        epilog="Train against it with model.pretrained_name=DIR; evaluate its heads with dflash-eval --target DIR "
+        "--mtp (docs/target.md, \"A target of your own shape for a smoke run\").",
+        formatter_class=DefaultsHelp,
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory to write (created)")
+    parser.add_argument("--heads", type=int, metavar="N", default=TinyMTPSpec.heads,
+                        help="MTP heads, mtp.num_nextn_predict_layers (0: none)")
     parser.add_argument("--distinct", action="store_true", help="store separate steps (use_repeated_layer: false)")
     parser.add_argument("--echo", action="store_true", help="a head that proposes its input token")
-    parser.add_argument(
-        "--echo-attention-std", type=float, default=0.0, help="with --echo: weak attention and hidden-state input"
-    )
+    parser.add_argument("--echo-attention-std", type=float, metavar="S", default=TinyMTPSpec.echo_attention_std,
+                        help="with --echo: weak attention and hidden-state input")
+    parser.add_argument("--mtp-pattern", default=TinyMTPSpec.mtp_pattern, help="one MTP step's sublayers ('*' each)")
     parser.add_argument(
         "--backbone",
         default=TinyMTPSpec.backbone,
@@ -330,23 +365,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--backbone-pattern",
         default=TinyMTPSpec.backbone_pattern,
-        help="Nemotron-H blocks: M (Mamba-2), * (attention), - (MLP), E (MoE)",
+        help="Nemotron-H blocks, one per character: M (Mamba-2), * (attention), - (MLP), E (MoE)",
     )
     parser.add_argument("--native-names", action="store_true", help="SALMAutomodel's native names (nemo_automodel)")
+    add_shape_arguments(parser, depth_from_pattern=True)
+    blocks = parser.add_argument_group("Nemotron-H blocks (--backbone nemotron_h)")
+    blocks.add_argument("--mamba-heads", type=positive, metavar="N", default=TinyMTPSpec.mamba_num_heads,
+                        help="an M block's heads")
+    blocks.add_argument("--mamba-head-dim", type=positive, metavar="N", default=TinyMTPSpec.mamba_head_dim,
+                        help="width of an M block's head")
+    blocks.add_argument("--experts", type=positive, metavar="N", default=TinyMTPSpec.n_routed_experts,
+                        help="an E block's routed experts")
+    blocks.add_argument("--experts-per-token", type=positive, metavar="N", default=TinyMTPSpec.num_experts_per_tok,
+                        help="routed experts each token goes to")
     args = parser.parse_args(argv)
+    if args.backbone == "nemotron_h" and args.layers is not None:
+        parser.error(f"--layers {args.layers} is for --backbone qwen3: a Nemotron-H backbone has one block per "
+                     f"--backbone-pattern character ({args.backbone_pattern!r})")
+    if args.backbone == "nemotron_h" and args.tie_word_embeddings:
+        parser.error("--tie-word-embeddings is for --backbone qwen3: the Nemotron-H builder stores the embedding "
+                     "and the LM head apart")
     spec = TinyMTPSpec(
         heads=args.heads,
         distinct=args.distinct,
         echo=args.echo,
         echo_attention_std=args.echo_attention_std,
+        mtp_pattern=args.mtp_pattern,
         backbone=args.backbone,
         backbone_pattern=args.backbone_pattern,
         native_names=args.native_names,
+        mamba_num_heads=args.mamba_heads,
+        mamba_head_dim=args.mamba_head_dim,
+        n_routed_experts=args.experts,
+        num_experts_per_tok=args.experts_per_token,
+        sizes=shape_from_arguments(parser, args),
     )
-    out = build_tiny_mtp_salm(args.out, spec)
-    print(out)
+    try:
+        out = build_tiny_mtp_salm(args.out, spec)
+    except (ShapeError, OSError) as err:
+        parser.error(str(err))
+    llm = json.loads((out / LLM_BACKBONE_DIR / CONFIG_FILE).read_text())
+    mtp = json.loads((out / CONFIG_FILE).read_text()).get("mtp", {}).get("num_nextn_predict_layers", 0)
+    kind = (f"Nemotron-H LLM of blocks {spec.backbone_pattern}" if args.backbone == "nemotron_h"
+            else f"Qwen3 LLM of {llm['num_hidden_layers']} blocks")
+    print(f"wrote {out}: a SpeechLM, {kind}, hidden {llm['hidden_size']}, vocabulary {llm['vocab_size']}, "
+          f"MTP heads {mtp}; train against it with model.pretrained_name={out}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -10,11 +10,21 @@ that ``SALM.from_pretrained(dir)`` and vLLM's NeMo plugin both read:
     <dir>/model.safetensors      all SALM weights
     <dir>/tokenizer*.json        the LLM tokenizer (root: NeMo redirects tokenizer_path here)
     <dir>/llm_backbone/config.json   the Qwen3 config (NeMo redirects pretrained_llm here)
+
+From the command line, a target of your own shape for a smoke run (every size an option, defaults the
+tests' target; ``--help`` lists them):
+
+    python -m dflash_train.testing.tiny_salm --out DIR [--hidden-size H] [--layers L] [--attention-heads A]
+        [--kv-heads KV] [--head-dim D] [--intermediate-size I] [--vocab V] [--tokenizer-vocab T] ...
+
+then train against it with ``model.pretrained_name=DIR``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -36,6 +46,13 @@ SPECIAL_TOKENS = [
     "<think>",
     "</think>",
 ]
+
+class ShapeError(ValueError):
+    """A shape the builders cannot write (one line); their command lines print it as the error."""
+
+
+MIN_TOKENIZER_VOCAB = 256 + len(SPECIAL_TOKENS)
+"""The smallest byte-level BPE tokenizer: every byte and the special tokens, no merge."""
 
 _CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -89,6 +106,12 @@ def _train_tokenizer(out_dir: Path, vocab_size: int, corpus: Optional[Sequence[s
         show_progress=False,
     )
     tok.train_from_iterator(list(corpus) if corpus is not None else _CORPUS * 4, trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:  # before anything is written: the config would not have the size asked
+        raise ShapeError(
+            f"a {vocab_size}-token tokenizer cannot be trained on {'these' if corpus is not None else 'the built-in'} "
+            f"texts: they give {tok.get_vocab_size()} (the 256 bytes and {len(SPECIAL_TOKENS)} special tokens, "
+            "then one token per merge, as many as the texts hold)"
+        )
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -200,8 +223,8 @@ def build_tiny_salm(
 
     out_dir = Path(out_dir)
     backbone_dir = out_dir / "llm_backbone"
-    backbone_dir.mkdir(parents=True, exist_ok=True)
     tok = _train_tokenizer(out_dir, spec.tokenizer_vocab, tokenizer_corpus)
+    backbone_dir.mkdir(parents=True, exist_ok=True)
     vocab_size = len(tok) + spec.spare_embedding_rows
     _qwen3_config(spec, vocab_size, tok).save_pretrained(backbone_dir)
 
@@ -238,3 +261,112 @@ def _make_paths_relative(out_dir: Path) -> None:
     cfg["pretrained_llm"] = "llm_backbone"
     cfg["tokenizer_path"] = "."
     cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``<prog>: error: <what>`` (exit status 2), no usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class DefaultsHelp(argparse.HelpFormatter):
+    """``--help`` shows the default of every option that has one (not the absent ``None`` or a flag's ``False``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return action.help
+        return f"{action.help} (default: %(default)s)"
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return int(text)
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser, depth_from_pattern: bool = False) -> None:
+    """The LLM's and the perception's sizes as options, :class:`TinySALMSpec`'s defaults.
+
+    ``depth_from_pattern``: a builder whose backbone may take its depth from a block pattern; ``--layers``
+    then defaults to ``None`` (not given).
+    """
+    d = TinySALMSpec()
+    shape = parser.add_argument_group("shape")
+
+    def size(flag: str, default: int | None, text: str) -> None:
+        shape.add_argument(flag, type=positive, metavar="N", default=default, help=text)
+
+    size("--hidden-size", d.hidden_size, "the LLM's hidden size")
+    if depth_from_pattern:
+        size("--layers", None, f"decoder blocks of a qwen3 backbone ({d.num_hidden_layers} if not given)")
+    else:
+        size("--layers", d.num_hidden_layers, "decoder blocks")
+    size("--attention-heads", d.num_attention_heads, "query heads")
+    size("--kv-heads", d.num_key_value_heads, "key-value heads (divide --attention-heads)")
+    size("--head-dim", d.head_dim, "width of one attention head (vLLM's CPU backend serves 32 and more)")
+    size("--intermediate-size", d.intermediate_size, "the MLPs' width")
+    size("--vocab", d.tokenizer_vocab + d.spare_embedding_rows,
+         "embedding (and LM head) rows: the tokenizer's tokens, then spare rows (DFlash's mask token is the first)")
+    size("--tokenizer-vocab", d.tokenizer_vocab,
+         f"BPE tokens trained on the built-in sentences ({MIN_TOKENIZER_VOCAB} and up; they hold about 500)")
+    shape.add_argument("--tie-word-embeddings", action="store_true", help="the LM head is the embedding table")
+    size("--encoder-layers", d.encoder_layers, "FastConformer layers")
+    size("--encoder-d-model", d.encoder_d_model, "FastConformer width (even: 2 attention heads)")
+    shape.add_argument("--seed", type=int, metavar="N", default=d.seed, help="seeds every random weight")
+
+
+def shape_from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TinySALMSpec:
+    """The :class:`TinySALMSpec` the shape options ask for; a shape no target can have is ``parser.error``."""
+    if args.attention_heads % args.kv_heads:
+        parser.error(f"--attention-heads {args.attention_heads} is not a multiple of --kv-heads {args.kv_heads}")
+    if args.vocab < args.tokenizer_vocab:
+        parser.error(f"--vocab {args.vocab} has fewer rows than the tokenizer's {args.tokenizer_vocab} tokens "
+                     "(--tokenizer-vocab)")
+    if args.encoder_d_model % 2:
+        parser.error(f"--encoder-d-model {args.encoder_d_model} is odd: the FastConformer's 2 attention heads "
+                     "split it in halves")
+    return TinySALMSpec(
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.layers or TinySALMSpec.num_hidden_layers,
+        num_attention_heads=args.attention_heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate_size,
+        tokenizer_vocab=args.tokenizer_vocab,
+        spare_embedding_rows=args.vocab - args.tokenizer_vocab,
+        encoder_d_model=args.encoder_d_model,
+        encoder_layers=args.encoder_layers,
+        tie_word_embeddings=args.tie_word_embeddings,
+        seed=args.seed,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: write one tiny SALM target of the shape asked, print where and how to use it."""
+    parser = OneLineErrors(
+        prog="python -m dflash_train.testing.tiny_salm",
+        description="Write a tiny random-weight NeMo SALM target (Qwen3 LLM, FastConformer perception) in the "
+        "SALM.save_pretrained layout, offline.",
+        epilog="Train against it with model.pretrained_name=DIR (docs/target.md, \"A target of your own shape for a "
+        "smoke run\").",
+        formatter_class=DefaultsHelp,
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="directory to write (created)")
+    add_shape_arguments(parser)
+    args = parser.parse_args(argv)
+    spec = shape_from_arguments(parser, args)
+    try:
+        out = build_tiny_salm(args.out, spec).resolve()
+    except (ShapeError, OSError) as err:
+        parser.error(str(err))
+    llm = json.loads((out / "llm_backbone" / "config.json").read_text())
+    print(f"wrote {out}: a SALM target, Qwen3 LLM of {llm['num_hidden_layers']} blocks, hidden {llm['hidden_size']}, "
+          f"{llm['num_attention_heads']}/{llm['num_key_value_heads']} attention/key-value heads, vocabulary "
+          f"{llm['vocab_size']}; train against it with model.pretrained_name={out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
