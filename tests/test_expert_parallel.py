@@ -124,5 +124,5 @@ def test_the_recipe_users_launch_trains_with_sharded_experts_through_the_cli(tin
     served = [row.split(",")[header.index("val/serving_rounds")] for row in logged[1:]]
     assert sum(1 for value in served if value and float(value) > 0) == 2  # both validations decoded every record
     assert (run_dir / "export" / "model.safetensors").is_file()
-    sharded = rank_log_lines(tmp_path / "exp", "target experts: 2 MoE blocks sharded over 2 ranks")
+    sharded = rank_log_lines(run_dir, "target experts: 2 MoE blocks sharded over 2 ranks")
     assert [len(sharded.get(rank, [])) for rank in (0, 1)] == [1, 1]

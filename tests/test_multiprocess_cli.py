@@ -176,8 +176,8 @@ def test_ranks_validate_on_disjoint_halves_of_the_validation_set(straight, cuts)
 
 
 def test_a_broken_record_is_counted_once_over_both_ranks_and_its_workers(straight):
-    _, exp_dir, output = straight
-    summaries = rank_log_lines(exp_dir, "skipped samples:")
+    run_dir, _, output = straight
+    summaries = rank_log_lines(run_dir, "skipped samples:")
     assert all(len(summaries[rank]) == 1 and summaries[rank][0].endswith("skipped samples: missing_audio 1")
                for rank in (0, 1))
     assert output.count("skipped samples:") == 1  # the console: rank 0's summary only
@@ -186,10 +186,10 @@ def test_a_broken_record_is_counted_once_over_both_ranks_and_its_workers(straigh
 def test_fsdp2_shards_the_draft_over_both_ranks(straight):
     """Each rank's log says what its parameters hold: DTensors, and half of the elements each (DDP, or an
     FSDP2 that silently replicated, logs no such line or the whole count)."""
-    _, exp_dir, _ = straight
+    run_dir, _, _ = straight
     held, totals = [], set()
     for rank in (0, 1):
-        log_file = next(exp_dir.rglob(f"dflash_train_rank{rank}.log"))
+        log_file = next(run_dir.rglob(f"dflash_train_rank{rank}.log"))
         match = re.search(r"draft sharded over (\d+) ranks: (\d+) of (\d+) parameters are DTensors; "
                           r"this rank holds (\d+) of (\d+) elements; reshard_after_forward=true", log_file.read_text())
         assert match, f"rank {rank} did not shard the draft"
@@ -206,8 +206,8 @@ def test_the_target_is_hashed_once_on_rank_zero_and_both_ranks_hold_its_digest(s
     hashing line is in rank 0's log only, and the checkpoint (written with rank 1 taking part) holds it."""
     from dflash_train.files import sha256_file
 
-    run_dir, exp_dir, _ = straight
-    lines = {rank: re.findall(r"target weights SHA-256 (\w+)…", next(exp_dir.rglob(f"dflash_train_rank{rank}.log")).read_text())
+    run_dir, _, _ = straight
+    lines = {rank: re.findall(r"target weights SHA-256 (\w+)…", next(run_dir.rglob(f"dflash_train_rank{rank}.log")).read_text())
              for rank in (0, 1)}
     digest = sha256_file(tiny_salm_dir / "model.safetensors")
     assert lines == {0: [digest[:16]], 1: []}
@@ -234,7 +234,7 @@ def test_a_hybrid_mamba_target_trains_under_fsdp2_on_two_ranks_with_packed_rows(
     ))
     assert "Mamba blocks run on PyTorch reference ops" in output
     for rank in (0, 1):
-        text = next(exp_dir.rglob(f"dflash_train_rank{rank}.log")).read_text()
+        text = next(run_dir.rglob(f"dflash_train_rank{rank}.log")).read_text()
         assert re.search(r"draft sharded over 2 ranks: (\d+) of \1 parameters are DTensors", text), f"rank {rank}"
     rows = _metrics(run_dir)
     losses = [float(r["train/dflash_loss"]) for r in rows if r.get("train/dflash_loss")]
@@ -253,17 +253,17 @@ def test_serving_validation_pools_both_ranks_counters_on_three_records(straight,
     from dflash_train.evaluate.loading import TargetSource
     from dflash_train.evaluate.run import evaluate, prepare
 
-    run_dir, exp_dir, _ = straight
+    run_dir, _, _ = straight
     _, val, _ = cuts
     settings, loaded = prepare(TargetSource(checkpoint=str(tiny_salm_dir)), {"draft": str(run_dir / "export")},
                                InputConfig(type="lhotse_as_conversation", cuts_path=str(val)), max_new_tokens=64,
                                dtype="bfloat16", limit=3)
     counters = evaluate(settings, loaded).counters("draft")
     rows = [row for row in _metrics(run_dir) if row.get("val/serving_rounds")]
-    assert [int(float(row["step"])) for row in rows] == [3, 7]  # Lightning's 0-based step of validations 4 and 8
+    assert [int(float(row["step"])) for row in rows] == [4, 8]  # validations at steps 4 and 8
     assert int(float(rows[-1]["val/serving_rounds"])) == counters.rounds > 0
     assert int(float(rows[-1]["val/serving_failed"])) == 0
-    summaries = rank_log_lines(exp_dir, f"steps: {STEPS};")
+    summaries = rank_log_lines(run_dir, f"steps: {STEPS};")
     assert all(len(summaries[rank]) == 1 and summaries[rank][0].endswith(f"serving MAL {counters.mal:.4f}")
                for rank in (0, 1))
 
@@ -280,10 +280,11 @@ def test_the_checkpoint_holds_the_round_starts_both_ranks_mined(straight):
         assert {i for r in rows for i in r["ids"]} <= set(mined), rank
 
 
-def test_all_ranks_share_one_hydra_run_directory(straight):
-    _, exp_dir, _ = straight
-    launches = list((exp_dir / "demo" / "hydra").iterdir())
+def test_all_ranks_share_one_hydra_run_directory_inside_the_run_directory(straight):
+    run_dir, exp_dir, _ = straight
+    launches = list((run_dir / "hydra").iterdir())
     assert len(launches) == 1, launches
+    assert not exp_dir.exists() or not any(exp_dir.rglob("*.log")), "Hydra logs outside the run directory"
     assert sorted(p.name for p in launches[0].glob("*.log")) == ["dflash_train_rank0.log", "dflash_train_rank1.log"]
 
 
@@ -328,13 +329,15 @@ def _preempt(command: list[str], log_path: Path, signum: int) -> str:
     return log_path.read_text()
 
 
-def _check_preempted_then_resume(output: str, signame: str, command: list[str], run_dir: Path, exp_dir: Path) -> int:
-    notes = rank_log_lines(exp_dir, f"preempted by {signame} at step")
+def _check_preempted_then_resume(output: str, signame: str, command: list[str], run_dir: Path) -> int:
+    notes = rank_log_lines(run_dir, f"preempted by {signame} at step")
     assert [len(notes.get(rank, [])) for rank in (0, 1)] == [1, 1], output[-4000:]  # both ranks stopped
     stopped = {int(notes[rank][0].split("at step ")[1].split(":")[0]) for rank in (0, 1)}
     assert len(stopped) == 1, notes  # at the same step
     stopped_at = stopped.pop()
     assert 2 <= stopped_at < STEPS
+    # the uninterrupted run does not validate at the stop step (unless scheduled) and the grace period is short
+    assert f"validation at step {stopped_at}:" not in output, "the preempted launch validated before stopping"
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == stopped_at
     # FSDP2 saves one consolidated checkpoint: every draft parameter whole (not one rank's shard)
@@ -354,7 +357,7 @@ def test_sigterm_under_fsdp2_with_workers_resumes_to_the_uninterrupted_weights(s
     run_dir = tmp_path / "run"
     command = _command(tiny_salm_dir, cuts, run_dir, tmp_path / "exp")
     output = _preempt(command, tmp_path / "preempted.log", signal.SIGTERM)
-    stopped_at = _check_preempted_then_resume(output, "SIGTERM", command, run_dir, tmp_path / "exp")
+    stopped_at = _check_preempted_then_resume(output, "SIGTERM", command, run_dir)
     worst = worst_difference(_export_weights(run_dir), _export_weights(straight[0]))
     print(f"\nSIGTERM at step {stopped_at} + resume vs uninterrupted (FSDP2, 2 workers, bf16): max |dw| = {worst:.3g}")
     assert worst == 0.0  # same ops on the same data in the same order: bit-equal
@@ -374,7 +377,7 @@ def test_sigusr1_with_gradient_accumulation_resumes_to_the_uninterrupted_weights
     run_dir = tmp_path / "run"
     command = _command(tiny_salm_dir, cuts, run_dir, tmp_path / "exp1", ACCUMULATE)
     output = _preempt(command, tmp_path / "preempted.log", signal.SIGUSR1)
-    stopped_at = _check_preempted_then_resume(output, "SIGUSR1", command, run_dir, tmp_path / "exp1")
+    stopped_at = _check_preempted_then_resume(output, "SIGUSR1", command, run_dir)
     worst = worst_difference(_export_weights(run_dir), _export_weights(straight_dir))
     print(f"\nSIGUSR1 at step {stopped_at} + resume vs uninterrupted (accumulate 2): max |dw| = {worst:.3g}")
     assert worst == 0.0
@@ -435,7 +438,7 @@ def test_text_only_batches_and_a_rank_without_readable_serving_records_keep_coll
     last = [row for row in _metrics(run_dir) if row.get("val/serving_rounds")][-1]
     assert int(float(last["val/serving_failed"])) == 1
     assert int(float(last["val/serving_rounds"])) == counters.rounds > 0
-    summaries = rank_log_lines(tmp_path / "exp", "steps: 4;")
+    summaries = rank_log_lines(run_dir, "steps: 4;")
     assert all(len(summaries[rank]) == 1 and summaries[rank][0].endswith(f"serving MAL {counters.mal:.4f}")
                for rank in (0, 1))
 

@@ -69,7 +69,7 @@ def _the_report_spans_both_launches(root, variant, straight_curve):
     figure = training_figure(read_history(root / "resumed"))
     loss_panel = next(ax for ax in figure.axes if ax.get_title() == "loss")
     lines = {line.get_label(): line for line in loss_panel.get_lines()}
-    assert list(lines["train loss"].get_xdata()) == [0, 1, 2, 3, 4, 5]
+    assert list(lines["train loss"].get_xdata()) == [1, 2, 3, 4, 5, 6]  # step N: after N optimizer steps
     assert list(lines["train loss"].get_ydata()) == pytest.approx(straight_curve, abs=1e-6)
     assert [x for line in loss_panel.get_lines() if line.get_label() == "resumed" for x in line.get_xdata()] == [3, 3]
     if variant == "dflash2":  # its loss's parts

@@ -7,7 +7,8 @@ finds), so a resumed run would keep only its last launch's lines. Before a launc
 another run's log moves that log aside whole (``csv.earlier-<n>``). :func:`read_history` joins the launches:
 a resume goes back to the last checkpoint, so a later launch re-runs steps an earlier one may have
 logged; for each metric the later launch's values replace the earlier's from the first step the
-later launch logged that metric at. The report (:mod:`dflash_train.training.report`) reads nothing
+later launch logged that metric at. Every launch logs the step it starts from (``launch/start_step``: 0, or the
+step of the checkpoint it resumed), which marks the resumes. The report (:mod:`dflash_train.training.report`) reads nothing
 else: no second bookkeeping next to the logger's.
 """
 
@@ -26,6 +27,7 @@ METRICS_DIR = "csv"  # the CSV logger's directory under the run directory
 METRICS_FILE = "metrics.csv"
 EARLIER_LAUNCH = re.compile(r"metrics\.launch-(\d+)\.csv")
 NOT_METRICS = ("step", "epoch")  # Lightning's own columns
+LAUNCH_START_METRIC = "launch/start_step"  # logged once by every launch, at the step it starts from
 
 
 def metrics_directory(run_dir: Path) -> Path:
@@ -83,7 +85,7 @@ class MetricsHistory:
 
     series: dict[str, Series]
     files: tuple[Path, ...]  # the CSV files read, oldest launch first
-    launch_starts: tuple[int, ...] = ()  # the first step each later launch logged (resumes)
+    launch_starts: tuple[int, ...] = ()  # the step each later launch resumed from
 
     @property
     def launches(self) -> int:
@@ -139,8 +141,9 @@ def read_history(run_dir: Path) -> MetricsHistory:
     starts: list[int] = []
     for i, path in enumerate(files):
         launch = _read_launch(path)
-        if i > 0 and launch:
-            starts.append(min(points[0][0] for points in launch.values()))
+        start = launch.pop(LAUNCH_START_METRIC, None)
+        if i > 0 and (start or launch):  # a launch logged before launch/start_step existed: its first step
+            starts.append(int(start[0][1]) if start else min(points[0][0] for points in launch.values()))
         for name, points in launch.items():
             first = points[0][0]
             joined[name] = [p for p in joined.get(name, []) if p[0] < first] + points

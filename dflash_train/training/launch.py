@@ -13,6 +13,8 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from pathlib import Path
+from typing import Optional
 
 STAMP_FORMAT = "%Y-%m-%d_%H-%M-%S"
 STORE_TIMEOUT_SECONDS = 120
@@ -45,3 +47,12 @@ def launch_stamp() -> str:
         "cannot agree on a run directory across ranks: WORLD_SIZE > 1 without torchrun or SLURM; "
         "set hydra.run.dir to a fixed path"
     )
+
+
+def run_directory_of(explicit_log_dir: Optional[str], exp_dir: str, name: str, version: Optional[str] = None) -> Path:
+    """A run's directory: ``exp_manager.explicit_log_dir``, else ``exp_dir/name[/version]``. Hydra's per-launch
+    logs go under it too (``hydra.run.dir`` resolves it with ``${dflash_run_dir:...}``)."""
+    if explicit_log_dir:
+        return Path(explicit_log_dir)
+    base = Path(exp_dir) / name
+    return base / version if version else base

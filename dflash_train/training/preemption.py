@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import Callback
 
 from dflash_train.constants import PREEMPTION_SIGNALS
 from dflash_train.distributed import all_reduce_sum
+from dflash_train.training.lifecycle import skip_validation
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class PreemptionCheckpoint(Callback):
         trainer.save_checkpoint(str(self.checkpoint_path))  # every rank: a collective under FSDP2
         self.stopped_by = name
         trainer.should_stop = True
+        skip_validation(trainer)  # the grace period is short, and the uninterrupted run does not validate here
         if trainer.is_global_zero:
             log.warning(
                 "preemption: %s received; saved %s at step %d and stopped; resume with exp_manager.resume_if_exists=true",

@@ -28,6 +28,9 @@ from dflash_train.errors import ConfigError, InputFileError
 from dflash_train.files import check_writable_directory
 from dflash_train.target import load_target_for_run
 from dflash_train.training.history import METRICS_DIR, keep_earlier_launch
+from dflash_train.training.launch import run_directory_of
+from dflash_train.training.lifecycle import (FinishedRun, StepCounters, ValidationRecord, check_launch,
+                                             validation_schedule)
 from dflash_train.training.module import DFlashDraftModule, ModuleSettings, OptimSettings
 from dflash_train.training.preemption import PreemptionCheckpoint
 from dflash_train.training.provenance import ProvenanceRecord, target_weights_file
@@ -53,9 +56,13 @@ class TrainSummary:
     stopped_by: Optional[str] = None  # the signal that preempted the run (it saved a checkpoint)
     val_serving_mal: Optional[float] = None  # serving's pooled MAL at the last validation (serving validation on)
     report_path: Optional[Path] = None  # report.md with the training curves (rank 0; training/report.py)
+    finished: Optional[FinishedRun] = None  # a re-run of a run that had finished: nothing was trained
 
     def report(self, run: RunConfig, serve_target: Optional[str] = None) -> list[str]:
         """Readable end-of-run summary, with the exact serve command when an export exists."""
+        if self.finished is not None:
+            return ([f"run directory: {self.run_dir}"] + self.finished.report()
+                    + serving_lines(variant_named(run.dflash.variant), run.dflash, self.finished.export_dir, serve_target))
 
         def fmt(value: Optional[float]) -> str:
             return "n/a" if value is None else f"{value:.4f}"
@@ -84,10 +91,7 @@ class TrainSummary:
 def run_directory(run: RunConfig) -> Path:
     """``exp_manager.explicit_log_dir``, else ``exp_dir/name[/version]``."""
     em = run.exp_manager
-    if em.explicit_log_dir:
-        return Path(em.explicit_log_dir)
-    base = Path(em.exp_dir) / em.name
-    return base / em.version if em.version else base
+    return run_directory_of(em.explicit_log_dir, em.exp_dir, em.name, em.version)
 
 
 def resolve_attention_backend(requested: Optional[str], accelerator: str) -> str:
@@ -144,15 +148,18 @@ class ExportOnTrainEnd(Callback):
 
     The export is written and verified in a directory beside ``out_dir`` and renamed into
     place only when it matches, so ``out_dir`` always holds a whole export (or none). A
-    preempted run writes no export: it has not finished.
+    preempted run writes no export: it has not finished. Its ``training_info`` records the last
+    validation's step and figures (``val_step``, ``val_accept_len``, ``val_serving_mal``), from
+    whichever launch ran it.
     """
 
     def __init__(self, run: RunConfig, out_dir: Path, preemption: Optional[PreemptionCheckpoint] = None,
-                 provenance: Optional[ProvenanceRecord] = None):
+                 provenance: Optional[ProvenanceRecord] = None, validation: Optional[ValidationRecord] = None):
         self.run = run
         self.out_dir = out_dir
         self.preemption = preemption
         self.provenance = provenance
+        self.validation = validation
         self.written: Optional[Path] = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: DFlashDraftModule) -> None:
@@ -162,11 +169,9 @@ class ExportOnTrainEnd(Callback):
         if trainer.is_global_zero:
             with atomic_directory(self.out_dir) as staging:
                 info = self.provenance.training_info(trainer.global_step) if self.provenance else None
-                if info is not None and "val/accept_len" in trainer.callback_metrics:
+                if info is not None and self.validation is not None:
                     # what training reported, beside what serving the export delivers (dflash-eval, vLLM)
-                    info["val_accept_len"] = float(trainer.callback_metrics["val/accept_len"])
-                if info is not None and "val/serving_mal" in trainer.callback_metrics:
-                    info["val_serving_mal"] = float(trainer.callback_metrics["val/serving_mal"])
+                    info.update(self.validation.training_info())
                 family = family_of(pl_module.spec.variant)
                 count = family.write_export(staging, self.out_dir, pl_module.draft, state, self.run, info)
             log.info("export: wrote %s (%d tensors), reloaded strictly and matched", self.out_dir, count)
@@ -180,25 +185,6 @@ class ExportOnTrainEnd(Callback):
             trainer.global_step,
             Path(trainer.default_root_dir) / "checkpoints",
         )
-
-
-class LogResume(Callback):
-    """Say where a resumed run starts (global step and learning rate), and log its metrics at the right steps.
-
-    A checkpoint taken at a batch end (``every_n_train_steps``, preemption) holds Lightning's logger step
-    counter from before that batch's increment, so a resumed launch would log every metric one step
-    behind the uninterrupted run, and its first step on top of the previous launch's last one. The
-    counter counts optimizer steps, as ``global_step`` does: it is set to ``global_step`` at the start.
-    """
-
-    def __init__(self, ckpt_path: Optional[Path]):
-        self.ckpt_path = ckpt_path
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.ckpt_path is not None:
-            trainer.fit_loop.epoch_loop._batches_that_stepped = trainer.global_step
-            lr = trainer.optimizers[0].param_groups[0]["lr"]
-            log.info("resumed from %s at global step %d, lr %.3g", self.ckpt_path, trainer.global_step, lr)
 
 
 def _metric_text(metrics: dict, key: str) -> str:
@@ -483,12 +469,14 @@ class RunCallbacks:
 
 
 def setup_trainer(run: RunConfig, trainer_kwargs: dict, accelerator: str, paths: RunPaths,
-                  half) -> tuple[L.Trainer, RunCallbacks]:
-    """The Lightning trainer: precision, strategy, checkpointing, preemption, export, logs."""
+                  half, accumulate: int = 1) -> tuple[L.Trainer, RunCallbacks]:
+    """The Lightning trainer: precision, strategy, checkpointing, preemption, export, logs; validation every
+    ``val_check_interval`` optimizer steps of ``accumulate`` micro-batches (training/lifecycle.py)."""
     preemption = PreemptionCheckpoint(paths.last_checkpoint, requeue=run.exp_manager.requeue_on_preemption)
     provenance = ProvenanceRecord(run, paths.run_dir)
-    exporter = ExportOnTrainEnd(run, paths.export_dir, preemption, provenance)
-    extra: list[Callback] = [provenance, preemption, exporter, LogResume(paths.resume_from)]
+    validation = ValidationRecord()
+    exporter = ExportOnTrainEnd(run, paths.export_dir, preemption, provenance, validation)
+    extra: list[Callback] = [provenance, preemption, validation, exporter, StepCounters(paths.resume_from)]
     extra.append(ProgressLog(trainer_kwargs.get("log_every_n_steps") or 50))
     if run.exp_manager.record_sample_ids:
         extra.append(SampleIdLog(paths.run_dir / "sample_ids"))
@@ -501,7 +489,7 @@ def setup_trainer(run: RunConfig, trainer_kwargs: dict, accelerator: str, paths:
     )
     val_every = trainer_kwargs.get("val_check_interval")
     trainer = L.Trainer(
-        **trainer_kwargs,
+        **{**trainer_kwargs, **validation_schedule(trainer_kwargs, accumulate)},
         precision=precision,
         strategy=build_strategy(run, accelerator, trainer_kwargs),
         callbacks=_callbacks(run, paths.run_dir, val_every if isinstance(val_every, int) else None) + extra,
@@ -545,6 +533,10 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
         validate_data_config(run.data)  # data paths and formats, before any weight loads
         datamodule_factory = build_datamodule
     paths = RunPaths.of(run)
+    finished = check_launch(paths.resume_from, paths.export_dir, trainer_kwargs.get("max_steps"))
+    if finished is not None:
+        return TrainSummary(paths.run_dir, finished.step, None, None, None, finished.export_dir, paths.resume_from, {},
+                            finished=finished)
     if paths.resume_from is not None and run.dflash.init_from_pretrained:
         log.warning(
             "resuming from %s: its weights replace dflash.init_from_pretrained=%s (the warm start only seeds a fresh "
@@ -558,7 +550,8 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
     draft = setup_draft(run, target, spec, backend)
     datamodule = datamodule_factory(run, target)
     module = setup_module(run, target, draft, spec, backend, datamodule, half, trainer_kwargs)
-    trainer, callbacks = setup_trainer(run, trainer_kwargs, accelerator, paths, half)
+    trainer, callbacks = setup_trainer(run, trainer_kwargs, accelerator, paths, half,
+                                       module.settings.optim.accumulate_grad_batches)
 
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(paths.resume_from) if paths.resume_from else None)
     summary = summarize(trainer, paths, callbacks)
