@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 RUN_CONFIG = """\
 defaults:
@@ -73,6 +74,10 @@ FAILING = [
      "config error: dflash.target_layer_ids=[1, 99]: [99] outside the target's 6 decoder blocks (valid ids 0..5)"),
     ("missing data path", "my_run", ["data.train_ds.input_cfg.0.cuts_path=MISSING"],
      "config error: data.train_ds.input_cfg[0].cuts_path='MISSING' does not exist"),
+    ("resume past max_steps", "my_run", ["exp_manager.explicit_log_dir=RESUMED", "trainer.max_steps=10"],
+     "config error: trainer.max_steps=10 is below step 30, where RESUMED/checkpoints/last.ckpt resumes the run: set "
+     "trainer.max_steps >= 30, or start a new run (another exp_manager.explicit_log_dir, or "
+     "exp_manager.resume_if_exists=false)"),
     ("fused linear CE", "my_run", ["dflash.use_fused_linear_ce=true"],
      "config error: dflash.use_fused_linear_ce=true: NeMo's fused linear cross-entropy is not run here; the chunked "
      "loss replaces it (dflash.loss_chunk_size positions per LM-head chunk bound the logits' memory): set "
@@ -90,7 +95,15 @@ def rows(tiny_salm_dir, tmp_path_factory) -> tuple[dict, dict]:
     cuts = root / "train_cuts.jsonl"
     cuts.write_text('{"id": "utt-1"}\n')  # the check reads no record: only that the file exists and is not empty
     paths = {"TARGET": str(tiny_salm_dir), "CUTS": str(cuts), "RUN_DIR": str(root / "run"),
-             "MISSING": str(root / "missing_cuts.jsonl"), "SMOKE_DIR": str(root / "smoke")}
+             "MISSING": str(root / "missing_cuts.jsonl"), "SMOKE_DIR": str(root / "smoke"),
+             "RESUMED": str(root / "resumed")}
+    (root / "resumed" / "checkpoints").mkdir(parents=True)
+    torch.save({"global_step": 30}, root / "resumed" / "checkpoints" / "last.ckpt")  # the step is all the check reads
+    finished = root / "finished"
+    (finished / "checkpoints").mkdir(parents=True)
+    (finished / "export").mkdir()
+    torch.save({"global_step": 30}, finished / "checkpoints" / "last.ckpt")
+    (finished / "export" / "config.json").write_text(json.dumps({"training_info": {"global_step": 30}}))
 
     def fill(text: str) -> str:
         for name, value in paths.items():
@@ -104,6 +117,8 @@ def rows(tiny_salm_dir, tmp_path_factory) -> tuple[dict, dict]:
     check = ["--cfg", "job", "--resolve"]
     table = [
         ["check/valid", [f"--config-dir={conf}", "--config-name=my_run", *check]],
+        ["check/finished run", [f"--config-dir={conf}", "--config-name=my_run", "trainer.max_steps=30",
+                                f"exp_manager.explicit_log_dir={finished}", "--cfg", "job"]],
         ["check/typo with unset values", [f"--config-dir={conf}", "--config-name=typo_unset", "--cfg", "job"]],
         ["runbook/resolve", [f"--config-dir={conf}", "--config-name=dflash_local", *check]],
         ["runbook/smoke", [f"--config-dir={conf}", "--config-name=dflash_local", *map(fill, RUNBOOK_SMOKE),
@@ -112,9 +127,9 @@ def rows(tiny_salm_dir, tmp_path_factory) -> tuple[dict, dict]:
     for i, (case, name, extra, _) in enumerate(FAILING):
         args = [f"--config-dir={conf}", f"--config-name={name}", *map(fill, extra)]
         table.append([f"check/{case}", [*args, "--cfg", "job", *(["--resolve"] if i % 2 else [])]])
-        launch_dir = root / "launches" / str(i)  # the launch writes Hydra's logs there before it fails
-        table.append([f"launch/{case}", [*args, "trainer=cpu", "trainer.max_steps=1",
-                                         f"exp_manager.explicit_log_dir={launch_dir}"]])
+        own_dir = any(arg.startswith("exp_manager.explicit_log_dir=") for arg in extra)
+        launch_dir = [] if own_dir else [f"exp_manager.explicit_log_dir={root / 'launches' / str(i)}"]  # Hydra's logs
+        table.append([f"launch/{case}", [*args, "trainer=cpu", *launch_dir]])  # cpu: 20 steps, were one to start
     (root / "rows.json").write_text(json.dumps(table))
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     env.pop("HYDRA_FULL_ERROR", None)
@@ -128,7 +143,7 @@ def rows(tiny_salm_dir, tmp_path_factory) -> tuple[dict, dict]:
 @pytest.mark.parametrize("case, name, extra, line", FAILING, ids=[row[0] for row in FAILING])
 def test_the_check_fails_with_the_launchs_line(rows, case, name, extra, line):
     paths, results = rows
-    expected = line.replace("MISSING", paths["MISSING"])
+    expected = line.replace("MISSING", paths["MISSING"]).replace("RESUMED", paths["RESUMED"])
     for mode in ("check", "launch"):
         result = results[f"{mode}/{case}"]
         assert result["code"] == 1, f"{mode}: {result['stderr'][-2000:]}"
@@ -146,6 +161,15 @@ def test_a_valid_run_config_passes_the_check_and_writes_nothing(rows):
         "# config check passed: every check a launch makes before loading the target's weights"
     )
     assert not Path(paths["RUN_DIR"]).exists()
+
+
+def test_a_finished_run_is_reported_as_the_launch_reports_it(rows):
+    """A launch of a run whose export holds its last step trains nothing and checks nothing further."""
+    result = rows[1]["check/finished run"]
+    assert result["code"] == 0, result["stderr"][-2000:]
+    assert result["stderr"].strip().splitlines()[-1].startswith(
+        "# finished: the run reached trainer.max_steps=30; nothing to do"
+    )
 
 
 def test_unset_values_are_listed_after_the_key_check(rows):

@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -28,10 +28,13 @@ from omegaconf import DictConfig, OmegaConf
 from dflash_train.cli.common import describe, user_errors
 from dflash_train.cli.console import configure_console, console_level
 from dflash_train.config import missing_keys, validate_config
-from dflash_train.config.validate import ValidatedConfig, check_config_keys, check_override_key
+from dflash_train.config.validate import check_config_keys, check_override_key
 from dflash_train.constants import CONFIG_DIR
 from dflash_train.errors import ConfigError
 from dflash_train.training.launch import launch_stamp, run_directory_of
+
+if TYPE_CHECKING:
+    from dflash_train.training.lifecycle import FinishedRun
 
 log = logging.getLogger("dflash_train")
 
@@ -72,27 +75,31 @@ def _hydra_main(cfg: DictConfig) -> None:
         run(cfg)
 
 
-def check_before_loading(cfg: DictConfig) -> ValidatedConfig:
+def check_before_loading(cfg: DictConfig) -> Optional[FinishedRun]:
     """Every check a launch makes before its target's weights load, in the launch's order, with the
     launch's own functions, building nothing: the schema and rules (:func:`validate_config`), the
     attention backend (unless ``trainer.accelerator=auto`` on a machine without a GPU, where the
-    launch's host decides), the data paths, the run directory and resume checkpoint, then taps, mask
-    token, the variant's sizes and expert parallelism against the target's config files."""
+    launch's host decides), the data paths, the run directory, the checkpoint it resumes from
+    against ``trainer.max_steps``, then taps, mask token, the variant's sizes and expert parallelism
+    against the target's config files. Returns the finished run a launch would only report (it
+    checks nothing further then), else ``None``."""
     import torch
 
     from dflash_train.data.validate import validate_data_config
     from dflash_train.target.load import check_target_for_run
+    from dflash_train.training.lifecycle import check_launch
     from dflash_train.training.recipe import RunPaths, data_parallel_size, resolve_attention_backend
 
-    validated = validate_config(cfg)
-    run, trainer_kwargs = validated
+    run, trainer_kwargs = validate_config(cfg)
     accelerator = str(trainer_kwargs.get("accelerator", "auto"))
     if accelerator != "auto" or torch.cuda.is_available():
         resolve_attention_backend(run.dflash.attention_backend, accelerator)
     validate_data_config(run.data)
-    RunPaths.of(run)
-    check_target_for_run(run, data_parallel_size(run, trainer_kwargs))
-    return validated
+    paths = RunPaths.of(run)
+    finished = check_launch(paths.resume_from, paths.export_dir, trainer_kwargs.get("max_steps"))
+    if finished is None:
+        check_target_for_run(run, data_parallel_size(run, trainer_kwargs))
+    return finished
 
 
 def _check_shown_config() -> None:
@@ -106,12 +113,14 @@ def _check_shown_config() -> None:
         if missing:
             check_config_keys(job)
         else:
-            check_before_loading(job)
+            finished = check_before_loading(job)
     if missing:
         print(f"# mandatory values not set (???): {', '.join(missing)}; the other launch checks run once they are set",
               file=sys.stderr)
-    else:
-        print("# config check passed: every check a launch makes before loading the target's weights", file=sys.stderr)
+        return
+    print("# config check passed: every check a launch makes before loading the target's weights", file=sys.stderr)
+    if finished is not None:
+        print(f"# {finished.report()[0]}", file=sys.stderr)
 
 
 def _hydra_arguments(argv: list[str]) -> Optional[argparse.Namespace]:
