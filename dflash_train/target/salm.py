@@ -268,11 +268,13 @@ def rebuild_positional_tables(model: nn.Module, what: str, fix: str) -> None:
 def _tied_names(salm: nn.Module) -> dict[str, str]:
     """``{LM head weight name: embedding weight name}`` when the LLM ties its output embeddings to its input
     embeddings (``tie_word_embeddings``; SALM keeps the embedding table outside the LLM, as ``embed_tokens``;
-    HF's ``get_output_embeddings`` cannot name the head once SALM has moved the table out)."""
+    HF's ``get_output_embeddings`` cannot name the head once SALM has moved the table out). A LoRA SALM's LLM
+    is PEFT's wrapper, so its head is ``llm.base_model.model.lm_head.weight`` (canary-qwen-2.5b's case)."""
     config = salm.llm.config.get_text_config()
     if not getattr(config, "tie_word_embeddings", False):
         return {}
-    return {"llm.lm_head.weight": "embed_tokens.weight"}  # HF's causal-LM head (its output embeddings)
+    wrapped = hasattr(salm.llm, "get_base_model")  # PEFT's PeftModel: the HF model sits at base_model.model
+    return {f"llm.{'base_model.model.' if wrapped else ''}lm_head.weight": "embed_tokens.weight"}
 
 
 def assign_weights(salm: nn.Module, weights_file: Path, dtype: torch.dtype, name: str) -> None:

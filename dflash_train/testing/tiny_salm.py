@@ -11,6 +11,13 @@ that ``SALM.from_pretrained(dir)`` and vLLM's NeMo plugin both read:
     <dir>/tokenizer*.json        the LLM tokenizer (root: NeMo redirects tokenizer_path here)
     <dir>/llm_backbone/config.json   the Qwen3 config (NeMo redirects pretrained_llm here)
 
+canary-qwen-2.5b's structure (NeMo's public SALM) at tiny width: ``--tie-word-embeddings``,
+``--linear-projection`` (the FastConformer's output goes through one linear layer, NeMo's
+``IdentityConnector`` modality adapter, instead of a Conformer adapter) and ``--lora-rank R
+--lora-alpha A`` (LoRA adapters on the LLM, installed by NeMo with PEFT from the config's ``lora``
+block and saved under ``llm.base_model.model.*`` with ``lora_A/B.default``; the adapters' B factors are
+drawn nonzero, so they change the outputs as trained adapters do).
+
 From the command line, a target of your own shape for a smoke run (every size an option, defaults the
 tests' target; ``--help`` lists them):
 
@@ -68,6 +75,13 @@ _CORPUS = [
 ]
 
 
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear layer of a Qwen3 block. With tied embeddings a random tiny LLM's residual stream is dominated
+by the input token's own row, which is also its LM-head row (std 0.5), so adapters on the attention alone
+barely move a greedy token; adapters on every linear layer with B at std 0.3 and alpha / r = 2 change the
+greedy token at 19 % of random positions (logit change 0.98 of the logits' norm), as a fine-tune would."""
+
+
 @dataclass(frozen=True)
 class TinySALMSpec:
     """Sizes of the tiny target; defaults keep head_dim >= 32 so vLLM's CPU backend can serve it.
@@ -90,6 +104,17 @@ class TinySALMSpec:
     lm_head_std: Optional[float] = 0.5  # None: keep HF's init (a target that will be trained)
     tie_word_embeddings: bool = False  # the LM head shares the embedding table (Qwen3 up to 4B does)
     seed: int = 1234
+    linear_projection: bool = False  # NeMo's IdentityConnector adapter: encoder -> one linear layer -> LLM
+    lora_rank: int = 0  # 0: no LoRA; else PEFT LoRA of this rank on ``lora_target_modules`` of the LLM
+    lora_alpha: float = 8.0  # PEFT scales the adapters' product B @ A by lora_alpha / lora_rank (PEFT's default 8)
+    lora_target_modules: tuple[str, ...] = LORA_TARGET_MODULES
+    lora_b_std: float = 0.3  # PEFT starts B at zero (no effect); a trained adapter's B is not (see LORA_TARGET_MODULES)
+
+
+def lora_config(spec: TinySALMSpec) -> dict:
+    """The SALM config's ``lora`` block (PEFT's ``LoraConfig`` keywords, as NeMo passes them) for ``spec``."""
+    return {"r": spec.lora_rank, "lora_alpha": spec.lora_alpha, "target_modules": list(spec.lora_target_modules),
+            "lora_dropout": 0.0}
 
 
 def _train_tokenizer(out_dir: Path, vocab_size: int, corpus: Optional[Sequence[str]] = None):
@@ -187,6 +212,9 @@ def tiny_perception_config(spec: TinySALMSpec, llm_hidden: int) -> dict:
             "dropout_att": 0.0,
         },
         "modality_adapter": {
+            "_target_": "nemo.collections.speechlm2.modules.perception.IdentityConnector",
+            "d_model": spec.encoder_d_model,  # NeMo then projects d_model -> output_dim with one nn.Linear
+        } if spec.linear_projection else {
             "_target_": "nemo.collections.asr.modules.ConformerEncoder",
             "feat_in": spec.encoder_d_model,
             "feat_out": -1,
@@ -239,12 +267,17 @@ def build_tiny_salm(
         "prevent_freeze_params": [],
         "perception": tiny_perception_config(spec, spec.hidden_size),
     }
+    if spec.lora_rank:
+        cfg["lora"] = lora_config(spec)
     torch.manual_seed(spec.seed)
     model = SALM(cfg)
-    if spec.lm_head_std is not None:
-        with torch.no_grad():
+    with torch.no_grad():
+        if spec.lm_head_std is not None:
             # HF's 0.02 init gives near-uniform logits (std ~0.16); a trained LM head gives peaked ones.
             model.llm.lm_head.weight.normal_(0.0, spec.lm_head_std)
+        for name, param in model.llm.named_parameters():
+            if ".lora_B." in name:
+                param.normal_(0.0, spec.lora_b_std)
     model.save_pretrained(out_dir)
     _make_paths_relative(out_dir)
     return out_dir
@@ -343,6 +376,37 @@ def shape_from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
     )
 
 
+def add_structure_arguments(parser: argparse.ArgumentParser) -> None:
+    """canary-qwen-2.5b's structure beyond the sizes: a linear projection and LoRA adapters on the LLM."""
+    d = TinySALMSpec()
+    structure = parser.add_argument_group("structure (canary-qwen-2.5b: --tie-word-embeddings --linear-projection "
+                                          "--lora-rank R)")
+    structure.add_argument("--linear-projection", action="store_true",
+                           help="the encoder's output reaches the LLM through one linear layer (NeMo's "
+                                "IdentityConnector modality adapter) instead of a 1-layer Conformer adapter")
+    structure.add_argument("--lora-rank", type=int, metavar="R", default=d.lora_rank,
+                           help="LoRA adapters of rank R on the LLM (PEFT, NeMo's config 'lora' block); 0: none")
+    structure.add_argument("--lora-alpha", type=float, metavar="A", default=d.lora_alpha,
+                           help="LoRA scaling numerator: the adapters add (A / R) * B @ A to each target weight")
+    structure.add_argument("--lora-target-modules", metavar="NAMES", default=",".join(d.lora_target_modules),
+                           help="comma-separated LLM linear layers that get adapters")
+
+
+def structure_from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, spec: TinySALMSpec
+                             ) -> TinySALMSpec:
+    """``spec`` with the structure options applied; a rank below 0 or no target module is ``parser.error``."""
+    from dataclasses import replace
+
+    modules = tuple(name for name in args.lora_target_modules.split(",") if name)
+    if args.lora_rank < 0:
+        parser.error(f"--lora-rank {args.lora_rank} is negative: give 0 (no LoRA) or a rank >= 1")
+    if args.lora_rank and not modules:
+        parser.error("--lora-target-modules is empty: name the LLM's linear layers that get adapters, e.g. "
+                     "q_proj,v_proj")
+    return replace(spec, linear_projection=args.linear_projection, lora_rank=args.lora_rank,
+                   lora_alpha=args.lora_alpha, lora_target_modules=modules)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line: write one tiny SALM target of the shape asked, print where and how to use it."""
     parser = OneLineErrors(
@@ -355,8 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="directory to write (created)")
     add_shape_arguments(parser)
+    add_structure_arguments(parser)
     args = parser.parse_args(argv)
-    spec = shape_from_arguments(parser, args)
+    spec = structure_from_arguments(parser, args, shape_from_arguments(parser, args))
     try:
         out = build_tiny_salm(args.out, spec).resolve()
     except (ShapeError, OSError) as err:
@@ -364,8 +429,17 @@ def main(argv: list[str] | None = None) -> int:
     llm = json.loads((out / "llm_backbone" / "config.json").read_text())
     print(f"wrote {out}: a SALM target, Qwen3 LLM of {llm['num_hidden_layers']} blocks, hidden {llm['hidden_size']}, "
           f"{llm['num_attention_heads']}/{llm['num_key_value_heads']} attention/key-value heads, vocabulary "
-          f"{llm['vocab_size']}; train against it with model.pretrained_name={out}")
+          f"{llm['vocab_size']}{_structure_note(spec)}; train against it with model.pretrained_name={out}")
     return 0
+
+
+
+def _structure_note(spec: TinySALMSpec) -> str:
+    """What the one line adds for the structure options (empty for the default structure)."""
+    notes = ["tied embeddings"] * spec.tie_word_embeddings + ["linear projection"] * spec.linear_projection
+    if spec.lora_rank:
+        notes.append(f"LoRA rank {spec.lora_rank} alpha {spec.lora_alpha:g} on {','.join(spec.lora_target_modules)}")
+    return "".join(f", {note}" for note in notes)
 
 
 if __name__ == "__main__":
