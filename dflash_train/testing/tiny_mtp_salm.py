@@ -25,6 +25,10 @@ The sizes are :mod:`~dflash_train.testing.tiny_salm`'s options (``--hidden-size`
 character), plus ``--mamba-heads``/``--mamba-head-dim`` and ``--experts``/``--experts-per-token`` for ``M``
 and ``E`` blocks; ``--help`` lists every option with its default.
 
+``--preset lightning`` starts from :data:`LIGHTNING`: Nemotron 3.5 Lightning's structure at tiny width (52 blocks,
+23 Mamba-2, 23 MoE, 6 attention; top-6 routing plus a shared expert; 2 KV heads; MTP heads; the
+``nemotron-nano-v3`` prompt format; encoder chunking); any other option still overrides it.
+
 ``--heads N`` sets ``mtp.num_nextn_predict_layers``; the default stores one MTP step
 (``use_repeated_layer: true``, the layer the trainer applied N times), ``--distinct`` stores N
 separate steps (``use_repeated_layer: false``), which the plugin refuses to serve. ``--echo``
@@ -33,7 +37,7 @@ target-only output), by tying the embedding to the LM head and passing the token
 straight through the MTP step; ``--echo-attention-std S`` lets its attention and hidden-state
 input act with weights of scale S (proposals then depend on the whole MTP computation).
 
-    python -m dflash_train.testing.tiny_mtp_salm --out DIR [--heads N] [--distinct] [--echo [--echo-attention-std S]]
+    python -m dflash_train.testing.tiny_mtp_salm --out DIR [--preset lightning] [--heads N] [--distinct] [--echo [--echo-attention-std S]]
         [--backbone-pattern M*-E] [--hidden-size H] [--experts E] ...
 """
 
@@ -82,6 +86,8 @@ class TinyMTPSpec:
     mamba_head_dim: int = 16
     n_routed_experts: int = 4  # an E block's routed experts, num_experts_per_tok of them per token
     num_experts_per_tok: int = 2
+    prompt_format: str = "qwen"  # config.json's prompt_format (NeMo's spelling)
+    encoder_chunk_size_seconds: float | None = None  # config.json's: the encoder runs on chunks this long
     sizes: TinySALMSpec = TinySALMSpec()
 
     def check(self) -> None:
@@ -91,9 +97,33 @@ class TinyMTPSpec:
             raise ShapeError(f"backbone pattern {self.backbone_pattern!r}: Nemotron-H blocks are M, *, - and E")
         if not self.mtp_pattern or set(self.mtp_pattern) - {"*"}:
             raise ShapeError(f"MTP pattern {self.mtp_pattern!r}: the tiny builder writes attention ('*') MTP sublayers")
+        if self.encoder_chunk_size_seconds is not None and self.encoder_chunk_size_seconds <= 0:
+            raise ShapeError(f"encoder chunks of {self.encoder_chunk_size_seconds} s: a chunk lasts more than 0 s")
         if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
             raise ShapeError(f"{self.num_experts_per_tok} experts per token out of {self.n_routed_experts}: "
                              "route each token to 1 to all of them")
+
+
+LIGHTNING_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+"""52 blocks: 23 Mamba-2, 23 MoE, 6 attention (at 5, 12, 19, 26, 33, 42). Nemotron 3.5 Lightning's kinds and
+counts; the order is Nemotron-3-Nano-30B-A3B's published ``hybrid_override_pattern`` (same architecture per
+NVIDIA), since Lightning's own string is not public: modeled, not confirmed."""
+
+LIGHTNING_TAPS = (1, 5, 19, 29, 41, 51)
+"""The runbook's (NeMo's recipe's) ``dflash.target_layer_ids`` for a Lightning target."""
+
+LIGHTNING = TinyMTPSpec(
+    backbone_pattern=LIGHTNING_PATTERN,
+    native_names=True,  # SALMAutomodel's checkpoint names, as the runbook's targets are stored
+    n_routed_experts=8,  # Lightning: 128 routed experts, top-6, one shared expert (n_shared_experts=1)
+    num_experts_per_tok=6,
+    prompt_format="nemotron-nano-v3",
+    encoder_chunk_size_seconds=1.0,  # Lightning: 30 s; 1 s splits the demo's 1-4 s utterances into chunks
+    sizes=TinySALMSpec(num_attention_heads=8, num_key_value_heads=2),  # Lightning: GQA 32 query / 2 KV heads
+)
+"""Nemotron 3.5 Lightning's structure at tiny width (``--preset lightning``); hidden 64, a 4-head Mamba mixer."""
+
+PRESETS = {"lightning": LIGHTNING}
 
 
 def _backbone_config(spec: TinyMTPSpec, vocab_size: int, tok):
@@ -281,8 +311,10 @@ def build_tiny_mtp_salm(out_dir: str | Path, spec: TinyMTPSpec = TinyMTPSpec(),
         "pretrained_asr": EMBEDDED_ASR,
         "pretrained_weights": False,
         "audio_locator_tag": AUDIO_LOCATOR_TAG,
-        "prompt_format": "qwen",
+        "prompt_format": spec.prompt_format,
         "perception": perception_config,
+        **({"encoder_chunk_size_seconds": spec.encoder_chunk_size_seconds}
+           if spec.encoder_chunk_size_seconds is not None else {}),
         **({"mtp": _mtp_block(spec)} if spec.heads else {}),
     }
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2))
@@ -349,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=DefaultsHelp,
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="directory to write (created)")
+    parser.add_argument("--preset", choices=sorted(PRESETS),
+                        help="start from a real target's structure at tiny width (lightning: Nemotron 3.5 Lightning, "
+                             f"blocks {LIGHTNING_PATTERN}); the defaults shown are without a preset")
     parser.add_argument("--heads", type=int, metavar="N", default=TinyMTPSpec.heads,
                         help="MTP heads, mtp.num_nextn_predict_layers (0: none)")
     parser.add_argument("--distinct", action="store_true", help="store separate steps (use_repeated_layer: false)")
@@ -368,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         help="Nemotron-H blocks, one per character: M (Mamba-2), * (attention), - (MLP), E (MoE)",
     )
     parser.add_argument("--native-names", action="store_true", help="SALMAutomodel's native names (nemo_automodel)")
+    parser.add_argument("--prompt-format", default=TinyMTPSpec.prompt_format, help="config.json's prompt_format")
+    parser.add_argument("--encoder-chunk-seconds", type=float, metavar="S",
+                        default=TinyMTPSpec.encoder_chunk_size_seconds,
+                        help="config.json's encoder_chunk_size_seconds (none: the encoder sees each audio whole)")
     add_shape_arguments(parser, depth_from_pattern=True)
     blocks = parser.add_argument_group("Nemotron-H blocks (--backbone nemotron_h)")
     blocks.add_argument("--mamba-heads", type=positive, metavar="N", default=TinyMTPSpec.mamba_num_heads,
@@ -378,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="an E block's routed experts")
     blocks.add_argument("--experts-per-token", type=positive, metavar="N", default=TinyMTPSpec.num_experts_per_tok,
                         help="routed experts each token goes to")
+    preset = parser.parse_known_args(argv)[0].preset
+    if preset:
+        parser.set_defaults(**_preset_defaults(PRESETS[preset]))
     args = parser.parse_args(argv)
     if args.backbone == "nemotron_h" and args.layers is not None:
         parser.error(f"--layers {args.layers} is for --backbone qwen3: a Nemotron-H backbone has one block per "
@@ -398,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         mamba_head_dim=args.mamba_head_dim,
         n_routed_experts=args.experts,
         num_experts_per_tok=args.experts_per_token,
+        prompt_format=args.prompt_format,
+        encoder_chunk_size_seconds=args.encoder_chunk_seconds,
         sizes=shape_from_arguments(parser, args),
     )
     try:
@@ -406,11 +450,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     llm = json.loads((out / LLM_BACKBONE_DIR / CONFIG_FILE).read_text())
     mtp = json.loads((out / CONFIG_FILE).read_text()).get("mtp", {}).get("num_nextn_predict_layers", 0)
-    kind = (f"Nemotron-H LLM of blocks {spec.backbone_pattern}" if args.backbone == "nemotron_h"
+    kind = (f"Nemotron-H LLM of {len(spec.backbone_pattern)} blocks {spec.backbone_pattern}" if args.backbone == "nemotron_h"
             else f"Qwen3 LLM of {llm['num_hidden_layers']} blocks")
     print(f"wrote {out}: a SpeechLM, {kind}, hidden {llm['hidden_size']}, vocabulary {llm['vocab_size']}, "
           f"MTP heads {mtp}; train against it with model.pretrained_name={out}")
     return 0
+
+
+def _preset_defaults(spec: TinyMTPSpec) -> dict:
+    """The command line's defaults that give ``spec`` (its Nemotron-H and shape options)."""
+    s = spec.sizes
+    return {
+        "backbone_pattern": spec.backbone_pattern, "native_names": spec.native_names,
+        "experts": spec.n_routed_experts, "experts_per_token": spec.num_experts_per_tok,
+        "mamba_heads": spec.mamba_num_heads, "mamba_head_dim": spec.mamba_head_dim,
+        "prompt_format": spec.prompt_format, "encoder_chunk_seconds": spec.encoder_chunk_size_seconds,
+        "heads": spec.heads, "hidden_size": s.hidden_size, "attention_heads": s.num_attention_heads,
+        "kv_heads": s.num_key_value_heads, "head_dim": s.head_dim, "intermediate_size": s.intermediate_size,
+    }
 
 
 if __name__ == "__main__":
