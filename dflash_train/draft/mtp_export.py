@@ -63,10 +63,12 @@ def write_mtp_export(
 def verify_mtp_export(path: str | Path, target_checkpoint: str | Path, step: MTPStep, state: dict[str, torch.Tensor],
                       heads: int) -> int:
     """Reload the export's step strictly and check every MTP tensor equals ``state`` and the target's
-    tensors are the source's (same names, same bytes); returns the MTP tensor count."""
+    tensors are the source's (same names, same bytes; a LoRA source's with its adapters merged, as
+    ``dflash-export-target`` writes them); returns the MTP tensor count."""
     from safetensors import safe_open
 
     from dflash_train.target.salm import stored_tensor_names
+    from dflash_train.target.vllm_export import merged_lora_source
 
     expected = step.checkpoint_state(state)
     nonfinite = [k for k, t in expected.items() if t.is_floating_point() and not torch.isfinite(t).all()]
@@ -80,7 +82,8 @@ def verify_mtp_export(path: str | Path, target_checkpoint: str | Path, step: MTP
         raise MTPExportError(f"export '{path}' stores {stored_heads} heads of pattern {reloaded.pattern!r}")
     rebuilt = reloaded.checkpoint_state()
     source = Path(target_checkpoint) / WEIGHTS_FILE
-    target_names = {n for n in stored_tensor_names(source) if not n.startswith(MTP_WEIGHT_PREFIX)}
+    merged = merged_lora_source(Path(target_checkpoint))
+    target_names = {n for n in (merged or stored_tensor_names(source)) if not n.startswith(MTP_WEIGHT_PREFIX)}
     differing = []
     with safe_open(str(Path(path) / WEIGHTS_FILE), "pt") as exported, safe_open(str(source), "pt") as original:
         names = set(exported.keys())
@@ -88,7 +91,8 @@ def verify_mtp_export(path: str | Path, target_checkpoint: str | Path, step: MTP
             raise MTPExportError(f"export '{path}' does not hold exactly the target's tensors besides the MTP step")
         differing += [k for k in expected if not torch.equal(expected[k], exported.get_tensor(k))]
         differing += [k for k in expected if not torch.equal(expected[k], rebuilt[k])]
-        differing += [k for k in sorted(target_names) if not torch.equal(exported.get_tensor(k), original.get_tensor(k))]
+        differing += [k for k in sorted(target_names)
+                      if not torch.equal(exported.get_tensor(k), merged[k] if merged else original.get_tensor(k))]
     if differing:
         raise MTPExportError(f"export '{path}' differs from the trained step or the target in {sorted(set(differing))[:8]}")
     return len(expected)

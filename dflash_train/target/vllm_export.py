@@ -9,6 +9,13 @@ That needs, in one directory:
     tokenizer*.json ...       the LLM tokenizer, with the audio locator tag as a token
     llm_backbone/config.json  the LLM backbone's HF config, naming its causal-LM architecture
 
+A LoRA SALM (canary-qwen-2.5b: PEFT adapters on the LLM, ``llm.base_model.model.*`` names, the config's
+``lora`` block) is written with the adapters merged into the base weights, ``W + (lora_alpha / r) · B @ A``
+in float32 (PEFT's ``merge_and_unload``), under the plain SALM names and without the ``lora`` block: the
+export is a plain SALM that NeMo, this project's loader and vLLM read alike, and no server has to know
+the adapters' scaling (NeMo's vLLM plugin merges at load, but assumes r 128 / alpha 256 when the block
+is missing).
+
 NeMo's vLLM config also insists on a ``pretrained_asr`` name; a checkpoint built without one
 (random-init perception, e.g. the demo's tiny target) gets :data:`EMBEDDED_ASR`: with
 ``pretrained_weights=false`` neither NeMo nor vLLM reads it, the perception weights being in
@@ -23,9 +30,12 @@ command on it again in place (``dflash-export-target DIR DIR``).
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash_train.atomic import atomic_directory
 from dflash_train.constants import (
@@ -36,6 +46,9 @@ from dflash_train.constants import (
     WEIGHTS_FILE,
     speculative_tokens,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 EMBEDDED_ASR = "(perception weights in model.safetensors)"
 
@@ -120,15 +133,92 @@ def export_target(src: str | Path, out: str | Path, location: str | Path | None 
         pretrained_asr=cfg.get("pretrained_asr") or EMBEDDED_ASR,
         pretrained_weights=False,
     )
+    merged = merged_lora_source(src)  # before anything is written
+    cfg.pop("lora", None)
     with atomic_directory(out) as staging:  # a failure leaves the previous directory (or none), never half of one
         if out == src:  # in place: keep every file of the checkpoint (the weights hard-linked, not copied)
             shutil.copytree(src, staging, copy_function=_link_weights_copy_the_rest, dirs_exist_ok=True)
-        else:
+        elif merged is None:
             shutil.copyfile(src / WEIGHTS_FILE, staging / WEIGHTS_FILE)
+        if merged is not None:
+            from safetensors.torch import save_file
+
+            (staging / WEIGHTS_FILE).unlink(missing_ok=True)  # a hard link to the source: never write through it
+            save_file(merged, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         backbone.save_pretrained(staging / LLM_BACKBONE_DIR)
         tokenizer.save_pretrained(staging)
         (staging / CONFIG_FILE).write_text(json.dumps(cfg, indent=2))
     return out
+
+
+LORA_WRAPPER_PREFIX = "llm.base_model.model."
+"""Where PEFT's wrapper puts a LoRA SALM's HF LLM (``llm.base_model.model.model.layers...``); plain: ``llm.``."""
+LORA_FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<factor>[AB])\.default\.weight$")
+
+
+def lora_scaling(lora: dict, weights_file: Path) -> float:
+    """PEFT's scaling of ``B @ A`` for the SALM config's ``lora`` block: ``lora_alpha / r`` (``/ sqrt(r)`` with
+    ``use_rslora``), PEFT's defaults for keys the block leaves out; a LoRA a merge cannot reproduce is a
+    :class:`TargetExportError` naming the key."""
+    from peft import LoraConfig
+
+    try:
+        config = LoraConfig(**lora)
+    except (TypeError, ValueError) as err:
+        raise TargetExportError(f"'{weights_file.parent / CONFIG_FILE}' has a lora block PEFT rejects: {err}") from None
+    unmergeable = {"use_dora": config.use_dora, "rank_pattern": config.rank_pattern,
+                   "alpha_pattern": config.alpha_pattern, "modules_to_save": config.modules_to_save,
+                   "lora_bias": config.lora_bias}
+    named = sorted(key for key, value in unmergeable.items() if value)
+    if named:
+        raise TargetExportError(
+            f"'{weights_file.parent / CONFIG_FILE}' sets lora.{named[0]}: dflash-export-target merges plain LoRA "
+            "only (one r and lora_alpha for every module); merge the adapters with PEFT's merge_and_unload and "
+            "save the SALM without its lora block"
+        )
+    return config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
+
+
+def merged_lora_source(src: Path) -> dict[str, torch.Tensor] | None:
+    """The tensors the export writes for the SALM checkpoint ``src`` when its config has a ``lora`` block
+    (:func:`merged_lora_weights`); ``None`` without one (its weights are written as stored)."""
+    lora = json.loads((src / CONFIG_FILE).read_text()).get("lora")
+    return merged_lora_weights(src / WEIGHTS_FILE, lora) if lora else None
+
+
+def merged_lora_weights(weights_file: Path, lora: dict) -> dict[str, torch.Tensor]:
+    """A LoRA SALM's tensors with every adapter merged into its base weight, ``W + scaling · B @ A`` in float32
+    and cast back to ``W``'s dtype (:func:`lora_scaling`), under the plain SALM names: PEFT's wrapper prefix
+    and ``base_layer`` dropped, the factors gone. A factor without its partner or its base weight is a
+    :class:`TargetExportError` naming it."""
+    import torch
+    from safetensors import safe_open
+
+    scaling = lora_scaling(lora, weights_file)
+    with safe_open(str(weights_file), "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    plain: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if match := LORA_FACTOR.match(name):
+            factors.setdefault(_plain_name(match["module"]), {})[match["factor"]] = tensor
+        else:
+            plain[_plain_name(name.replace(".base_layer.", "."))] = tensor
+    if not factors:
+        raise TargetExportError(f"'{weights_file.parent / CONFIG_FILE}' has a lora block but {weights_file} holds no "
+                                "lora_A/lora_B.default tensors; remove the block or point at the LoRA checkpoint")
+    for module, pair in sorted(factors.items()):
+        base = plain.get(f"{module}.weight")
+        if base is None or pair.keys() != {"A", "B"}:
+            raise TargetExportError(f"{weights_file}: the LoRA adapter of {module} has {sorted(pair)} and "
+                                    f"{'a' if base is not None else 'no'} base weight; the checkpoint is incomplete")
+        plain[f"{module}.weight"] = (base.float() + (pair["B"].float() @ pair["A"].float()) * scaling).to(base.dtype)
+    return plain
+
+
+def _plain_name(name: str) -> str:
+    """A LoRA SALM's tensor name as the same SALM without adapters names it."""
+    return "llm." + name.removeprefix(LORA_WRAPPER_PREFIX) if name.startswith(LORA_WRAPPER_PREFIX) else name
 
 
 def _check_replaceable(out: Path) -> None:

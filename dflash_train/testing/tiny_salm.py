@@ -76,10 +76,16 @@ _CORPUS = [
 
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""Every linear layer of a Qwen3 block. With tied embeddings a random tiny LLM's residual stream is dominated
-by the input token's own row, which is also its LM-head row (std 0.5), so adapters on the attention alone
-barely move a greedy token; adapters on every linear layer with B at std 0.3 and alpha / r = 2 change the
-greedy token at 19 % of random positions (logit change 0.98 of the logits' norm), as a fine-tune would."""
+"""Every linear layer of a Qwen3 block. In a random tiny LLM with tied embeddings the input token's own row,
+which is also its LM-head row, dominates the residual stream, so the greedy token tends to repeat the input
+and adapters on the attention alone barely move it; adapters on every linear layer (B at std 0.3,
+alpha / r = 2) do change the greedy tokens (tests/test_lora_target.py states by how much)."""
+
+
+TIED_TABLE_STD = 0.1
+"""A tied table's scale: the LM head's (``lm_head_std``, 0.5, peaked logits) is also the input embeddings'
+then, and at 0.5 every row dominates the block outputs so thoroughly that even adapted models repeat the
+prompt's last token; at 0.1 (logits' std about 0.8) the adapted model's greedy tokens vary."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,7 @@ class TinySALMSpec:
     n_mels: int = 32
     lm_head_std: Optional[float] = 0.5  # None: keep HF's init (a target that will be trained)
     tie_word_embeddings: bool = False  # the LM head shares the embedding table (Qwen3 up to 4B does)
+    tied_table_std: float = TIED_TABLE_STD  # ``lm_head_std`` of a tied table
     seed: int = 1234
     linear_projection: bool = False  # NeMo's IdentityConnector adapter: encoder -> one linear layer -> LLM
     lora_rank: int = 0  # 0: no LoRA; else PEFT LoRA of this rank on ``lora_target_modules`` of the LLM
@@ -274,7 +281,8 @@ def build_tiny_salm(
     with torch.no_grad():
         if spec.lm_head_std is not None:
             # HF's 0.02 init gives near-uniform logits (std ~0.16); a trained LM head gives peaked ones.
-            model.llm.lm_head.weight.normal_(0.0, spec.lm_head_std)
+            std = spec.tied_table_std if spec.tie_word_embeddings else spec.lm_head_std
+            model.llm.lm_head.weight.normal_(0.0, std)
         for name, param in model.llm.named_parameters():
             if ".lora_B." in name:
                 param.normal_(0.0, spec.lora_b_std)
