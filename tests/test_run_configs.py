@@ -9,8 +9,9 @@ NeMo SALM) and shaped by the config's own taps.
 
 The CPU training run adds only ``trainer=cpu trainer.devices=1 trainer.strategy.ep_size=1`` (a CPU process is
 one rank, and expert parallelism must divide the world size) and a few-steps budget (``trainer.max_steps``,
-``trainer.val_check_interval``, ``trainer.limit_val_batches``, ``dflash.serving_val_samples`` and the batches'
-``batch_tokens`` / ``max_tokens``) to what the configs set.
+``trainer.val_check_interval``, ``trainer.limit_val_batches``, ``dflash.serving_val_samples`` /
+``serving_val_max_new_tokens`` and the batches' ``batch_tokens`` / ``max_tokens`` / ``num_workers``) to what the
+configs set.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ PLACEHOLDERS = {
 }
 CPU_OVERRIDES = ["trainer=cpu", "trainer.devices=1", "trainer.strategy.ep_size=1"]
 # A few small steps: the configs' token budgets (4096-8192 positions: 40-80 of the demo's ~100-position rows,
-# a minute a step on 2 CPU cores) cut to two rows per batch, one validation batch, one serving decode.
+# a minute a step on 2 CPU cores) cut to two rows per batch, one validation batch, one serving decode of 8
+# tokens, the batches read in the main process.
 FEW_STEPS = ["trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
-             "dflash.serving_val_samples=1",
+             "dflash.serving_val_samples=1", "dflash.serving_val_max_new_tokens=8",
              *(f"data.{split}.{key}=256" for split in ("train_ds", "validation_ds")
-               for key in ("batch_tokens", "max_tokens"))]
+               for key in ("batch_tokens", "max_tokens")), "data.train_ds.num_workers=0"]
 
 
 def test_conf_holds_the_public_targets():
