@@ -31,7 +31,7 @@ from dflash_train.config import missing_keys, validate_config
 from dflash_train.config.validate import check_config_keys, check_override_key
 from dflash_train.constants import CONFIG_DIR
 from dflash_train.errors import ConfigError
-from dflash_train.training.launch import launch_stamp, run_directory_of
+from dflash_train.training.launch import hydra_log_root, launch_stamp
 
 if TYPE_CHECKING:
     from dflash_train.training.lifecycle import FinishedRun
@@ -41,7 +41,7 @@ log = logging.getLogger("dflash_train")
 # ${dflash_launch_stamp:} in hydra.run.dir: one directory for all ranks of a launch.
 OmegaConf.register_new_resolver("dflash_launch_stamp", launch_stamp, use_cache=True, replace=True)
 # ${dflash_run_dir:...} in hydra.run.dir: Hydra's per-launch logs inside the run's directory.
-OmegaConf.register_new_resolver("dflash_run_dir", lambda *parts: str(run_directory_of(*parts)), replace=True)
+OmegaConf.register_new_resolver("dflash_run_dir", hydra_log_root, replace=True)
 # ${dflash_console_level:} in hydra.job_logging: INFO on rank 0, WARNING on the other ranks.
 OmegaConf.register_new_resolver("dflash_console_level", console_level, replace=True)
 

@@ -50,9 +50,26 @@ def launch_stamp() -> str:
 
 
 def run_directory_of(explicit_log_dir: Optional[str], exp_dir: str, name: str, version: Optional[str] = None) -> Path:
-    """A run's directory: ``exp_manager.explicit_log_dir``, else ``exp_dir/name[/version]``. Hydra's per-launch
-    logs go under it too (``hydra.run.dir`` resolves it with ``${dflash_run_dir:...}``)."""
+    """A run's directory: ``exp_manager.explicit_log_dir``, else ``exp_dir/name[/version]``."""
     if explicit_log_dir:
         return Path(explicit_log_dir)
     base = Path(exp_dir) / name
     return base / version if version else base
+
+
+def hydra_log_root(explicit_log_dir: Optional[str], exp_dir: str, name: str, version: Optional[str] = None) -> str:
+    """Where Hydra writes a launch's per-rank logs (``${dflash_run_dir:...}`` in ``hydra.run.dir``): the run
+    directory. One that cannot be created (a file in its path, no permission) is left to the launch's own
+    one-line error; Hydra, which creates its directory first, writes that launch's logs to the system's
+    temporary directory instead of failing with a traceback."""
+    import tempfile
+
+    from dflash_train.errors import InputFileError
+    from dflash_train.files import check_writable_directory
+
+    run_dir = run_directory_of(explicit_log_dir, exp_dir, name, version)
+    try:
+        check_writable_directory(run_dir, "the run directory")
+    except InputFileError:
+        return str(Path(tempfile.gettempdir()) / "dflash_train-unwritable-run-dir")
+    return str(run_dir)

@@ -17,8 +17,11 @@ What Lightning leaves to the run and this module supplies:
   checkpoint written at a validation step validates that step first (Lightning's rule: the launch
   that wrote the checkpoint may have stopped before validating, preempted or killed); the values
   equal the earlier launch's.
-- :class:`StepCounters`: keeps the logger's step equal to ``global_step``, and logs each launch's
-  start step (``launch/start_step``: the report marks resumes with it).
+- :class:`StepCounters`: on a resume, counts the batch the checkpoint was written at as completed
+  (Lightning counts it as processed only and restores the completed count, so the first resumed
+  micro-batch took the last place of an accumulation window and the optimizer stepped after one
+  micro-batch); keeps the logger's step equal to ``global_step``; logs each launch's start step
+  (``launch/start_step``: the report marks resumes with it).
 - :class:`ValidationRecord`: the step and figures of the last validation, kept in the checkpoint, so
   an export written by a launch that did not validate still records the figures and says from which
   step they are.
@@ -119,7 +122,8 @@ def skip_validation(trainer: L.Trainer) -> None:
 
 
 class StepCounters(Callback):
-    """The logger's step equal to ``global_step`` (Lightning's own counter is one behind during a batch and
+    """Lightning's batch counters as the checkpoint left them (see the module docstring), the logger's step
+    equal to ``global_step`` (Lightning's own counter is one behind during a batch and
     restarts from the wrong value on a resume), and the launch's start logged as ``launch/start_step`` and, on
     a resume from ``ckpt_path``, said on the console with the restored learning rate."""
 
@@ -132,6 +136,12 @@ class StepCounters(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.ckpt_path is not None:
+            # the checkpoint was written at a batch's end, before Lightning counted the batch as completed; on restore
+            # it goes back to that count, and the next batch_idx (the micro-batch's place in its accumulation window)
+            # would repeat the last one: count it as completed
+            progress = trainer.fit_loop.epoch_loop.batch_progress
+            for tracker in (progress.total, progress.current):
+                tracker.completed = tracker.processed
             lr = trainer.optimizers[0].param_groups[0]["lr"]
             log.info("resumed from %s at global step %d, lr %.3g", self.ckpt_path, trainer.global_step, lr)
         self._keep_logger_step(trainer)

@@ -462,9 +462,10 @@ class DFlashDraftModule(L.LightningModule):
         self.manual_backward(loss_sum * world_size())
         self._window_weight = self._window_weight + sums[WEIGHT_INDEX]
         stepped = True
-        if micro == accumulate - 1:
+        window_end = micro == accumulate - 1
+        if window_end:
             stepped = self._finish_window(optimizer)
-        self._log_train(sums, metrics, inputs, started, stepped, coverage, hard_ce)
+        self._log_train(sums, metrics, inputs, started, stepped, coverage, hard_ce, window_end)
 
     def _serving_anchors(self, batch: SpeechBatch, inputs: StepInputs, micro: int) -> Optional[list[PreferredRow]]:
         """Serving-aware anchors (training/serving_anchors.py): mine this batch on due steps, then the
@@ -538,7 +539,8 @@ class DFlashDraftModule(L.LightningModule):
         return applied
 
     def _log_train(self, sums: torch.Tensor, metrics, inputs: StepInputs, started: float, stepped: bool,
-                   coverage: Optional[torch.Tensor] = None, hard_ce: Optional[torch.Tensor] = None) -> None:
+                   coverage: Optional[torch.Tensor] = None, hard_ce: Optional[torch.Tensor] = None,
+                   window_end: bool = True) -> None:
         """Add this step's sums to the log window's, on the device; on a log step, log the window.
 
         Between log steps nothing is read back to the host (each read would stall it until the
@@ -550,7 +552,7 @@ class DFlashDraftModule(L.LightningModule):
         (draft/anchors.py; ``None`` for a placeholder step), pooled over the window's documents. ``hard_ce`` is
         the step's Σ w·CE at every supervised position (the chunked head's), logged as ``train/ce``: the
         hard-label cross-entropy beside an objective that is not it (distillation, the on-policy stage, DFlash2's
-        selector term).
+        selector term). Only a window's last micro-batch logs, at the step it made (training/lifecycle.py).
         """
         tokens_here = inputs.doc_remaining.ge(0).sum().double().reshape(1)
         if coverage is None:
@@ -564,7 +566,7 @@ class DFlashDraftModule(L.LightningModule):
         self._log_window_steps += 1
         self._log_window_skipped += 0 if stepped else 1
         last = self.trainer.max_steps > 0 and self.global_step >= self.trainer.max_steps
-        if not (self.trainer._logger_connector.should_update_logs or last):  # Lightning's rule for this batch
+        if not window_end or not (self.trainer._logger_connector.should_update_logs or last):  # Lightning's rule
             return
         reasons, data_skips = self._local_data_skips()
         host = torch.tensor([float(self.skip_counts[SKIP_NO_ANCHOR])] + data_skips, dtype=torch.float64, device=self.device)
@@ -603,7 +605,9 @@ class DFlashDraftModule(L.LightningModule):
             values["train/mining_seconds"] = self.settings.serving_anchors.take_seconds() / steps
         if torch.cuda.is_available() and self.device.type == "cuda":
             values["train/peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        self.log_dict(values, on_step=True)
+        self.log_dict(values, on_step=True, logger=False)  # callback_metrics: the progress lines and the summary
+        for logger in self.loggers:  # at the step just made (Lightning would log them again on later micro-batches)
+            logger.log_metrics(values, step=self.global_step)
         self.log_dict(
             {"loss": total.loss, "accept_len": total.accept_len, "tok/s": values["train/tokens_per_second"]},
             prog_bar=True,
