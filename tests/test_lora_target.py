@@ -226,3 +226,17 @@ def test_a_lora_one_scaling_cannot_merge_is_one_line_and_writes_nothing(lora_dir
     with pytest.raises(TargetExportError, match=f"sets lora.{key}: dflash-export-target merges plain LoRA only"):
         export_target(source, tmp_path / "served")
     assert not (tmp_path / "served").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora-rank", "-1"], "--lora-rank -1 is negative: give 0 (no LoRA) or a rank >= 1"),
+    (["--lora-rank", "2", "--lora-target-modules", ","], "--lora-target-modules is empty"),
+    (["--lora-rank", "2", "--lora-target-modules", "q_proj,qproj"],
+     "--lora-target-modules names ['qproj'], not a linear layer of a Qwen3 block"),
+])
+def test_a_bad_lora_option_is_one_line_and_writes_nothing(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        tiny_salm.main(["--out", str(tmp_path / "out"), *argv])
+    assert exit_.value.code == 2 and not (tmp_path / "out").exists()
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("python -m dflash_train.testing.tiny_salm: error: ") and message in line

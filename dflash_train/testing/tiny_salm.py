@@ -14,7 +14,7 @@ that ``SALM.from_pretrained(dir)`` and vLLM's NeMo plugin both read:
 canary-qwen-2.5b's structure (NeMo's public SALM) at tiny width: ``--tie-word-embeddings``,
 ``--linear-projection`` (the FastConformer's output goes through one linear layer, NeMo's
 ``IdentityConnector`` modality adapter, instead of a Conformer adapter) and ``--lora-rank R
---lora-alpha A`` (LoRA adapters on the LLM, installed by NeMo with PEFT from the config's ``lora``
+--lora-alpha ALPHA`` (LoRA adapters on the LLM, installed by NeMo with PEFT from the config's ``lora``
 block and saved under ``llm.base_model.model.*`` with ``lora_A/B.default``; the adapters' B factors are
 drawn nonzero, so they change the outputs as trained adapters do).
 
@@ -394,15 +394,16 @@ def add_structure_arguments(parser: argparse.ArgumentParser) -> None:
                                 "IdentityConnector modality adapter) instead of a 1-layer Conformer adapter")
     structure.add_argument("--lora-rank", type=int, metavar="R", default=d.lora_rank,
                            help="LoRA adapters of rank R on the LLM (PEFT, NeMo's config 'lora' block); 0: none")
-    structure.add_argument("--lora-alpha", type=float, metavar="A", default=d.lora_alpha,
-                           help="LoRA scaling numerator: the adapters add (A / R) * B @ A to each target weight")
+    structure.add_argument("--lora-alpha", type=float, metavar="ALPHA", default=d.lora_alpha,
+                           help="LoRA scaling numerator: the adapters add (ALPHA / R) * B @ A to each target weight")
     structure.add_argument("--lora-target-modules", metavar="NAMES", default=",".join(d.lora_target_modules),
                            help="comma-separated LLM linear layers that get adapters")
 
 
 def structure_from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, spec: TinySALMSpec
                              ) -> TinySALMSpec:
-    """``spec`` with the structure options applied; a rank below 0 or no target module is ``parser.error``."""
+    """``spec`` with the structure options applied; a rank below 0, no target module or one a Qwen3 block does not
+    have is ``parser.error``."""
     from dataclasses import replace
 
     modules = tuple(name for name in args.lora_target_modules.split(",") if name)
@@ -411,6 +412,10 @@ def structure_from_arguments(parser: argparse.ArgumentParser, args: argparse.Nam
     if args.lora_rank and not modules:
         parser.error("--lora-target-modules is empty: name the LLM's linear layers that get adapters, e.g. "
                      "q_proj,v_proj")
+    unknown = [name for name in modules if name not in LORA_TARGET_MODULES]
+    if args.lora_rank and unknown:
+        parser.error(f"--lora-target-modules names {unknown}, not a linear layer of a Qwen3 block; choose from "
+                     f"{','.join(LORA_TARGET_MODULES)}")
     return replace(spec, linear_projection=args.linear_projection, lora_rank=args.lora_rank,
                    lora_alpha=args.lora_alpha, lora_target_modules=modules)
 
