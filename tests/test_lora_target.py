@@ -182,10 +182,13 @@ def served_lora(lora_dir, tmp_path_factory) -> Path:
 
 def test_the_vllm_target_holds_the_adapters_merged_as_peft_merges_them(lora_dir, served_lora):
     """The export's LLM weights equal PEFT's ``merge_and_unload`` (``W + lora_alpha / r · B @ A``) bit for bit, under
-    the plain names, and its config has no lora block (nothing would merge them twice)."""
+    the plain names, and its config has no lora block (nothing would merge them twice): NeMo's vLLM config class
+    reads it with ``lora`` None, so NeMo's plugin passes the weights through."""
     from nemo.collections.speechlm2.models import SALM
+    from nemo.collections.speechlm2.vllm.salm.config import NeMoSpeechLMConfig
 
-    assert "lora" not in json.loads((served_lora / "config.json").read_text())
+    cfg = json.loads((served_lora / "config.json").read_text())
+    assert "lora" not in cfg and NeMoSpeechLMConfig(**cfg).lora is None
     merged = SALM.from_pretrained(str(lora_dir)).llm.merge_and_unload().state_dict()  # PEFT's own merge
     exported = load_file(str(served_lora / "model.safetensors"))
     assert same_tensors({k: v for k, v in exported.items() if k.startswith("llm.")},
