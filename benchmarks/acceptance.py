@@ -63,6 +63,12 @@ ON_POLICY = ("dflash.on_policy_from_step=400", "dflash.serving_anchor_every=2")
 ON_POLICY_FULL = ON_POLICY + ("dflash.on_policy_after_rejection_weight=1",)  # the ordinary loss after a rejection
 ON_POLICY_ANCHORS = ON_POLICY_FULL + ("dflash.on_policy_reverse_kl_weight=0",)  # only the blocks move: the ordinary loss
 
+# tap choices on the SALM reference target (6 LLM blocks; the 2-layer draft's derived taps are [1, 3]), docs/target.md
+TAPS_SHALLOW = ("dflash.target_layer_ids=[0,1]",)
+TAPS_DEEP = ("dflash.target_layer_ids=[4,5]",)
+TAPS_ONE = ("dflash.target_layer_ids=[3]",)
+TAPS_ALL = ("dflash.target_layer_ids=[0,1,2,3,4,5]",)
+
 # name -> (draft variant, training data, label_source, extra recipe overrides)
 VARIANTS = {
     "dflash": ("dflash", "offline", "ground_truth", ()),
@@ -83,6 +89,10 @@ VARIANTS = {
     "dflash+on_policy_full": ("dflash", "offline", "ground_truth", ON_POLICY_FULL),
     "dflash2+on_policy_full": ("dflash2", "offline", "ground_truth", ON_POLICY_FULL),
     "dflash2+on_policy_anchors": ("dflash2", "offline", "ground_truth", ON_POLICY_ANCHORS),
+    "dflash2+taps_shallow": ("dflash2", "offline", "ground_truth", TAPS_SHALLOW),
+    "dflash2+taps_deep": ("dflash2", "offline", "ground_truth", TAPS_DEEP),
+    "dflash2+taps_one": ("dflash2", "offline", "ground_truth", TAPS_ONE),
+    "dflash2+taps_all": ("dflash2", "offline", "ground_truth", TAPS_ALL),
 }
 # the distillation comparison (docs/benchmarks.md): about an hour on 2 cores at 600 steps and 3 seeds
 DEFAULT_VARIANTS = ["dflash", "dflash+kl", "dflash+kl_tv", "dflash2", "dflash2+kl_tv"]
