@@ -229,7 +229,10 @@ def test_dflash_eval_decodes_greedy_equal_with_both_exports(dflash2_run, mtp_run
         env=ENV, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    results = json.loads(report.read_text())["drafts"]
+    evaluated = json.loads(report.read_text())
+    results = evaluated["drafts"]
     assert len(results) == 2
+    # a target repeating one token would make greedy equality hold without any rollback of rejected proposals
+    assert len(set(evaluated["samples"][0]["target"]["token_ids"])) > 2, "a degenerate target decode"
     for name, result in results.items():
         assert result["greedy_equal"] and result["acceptance"]["rounds"] > 0, name
