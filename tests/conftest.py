@@ -263,3 +263,20 @@ class ResumeComparison:
         assert keys and self.resumed_weights.keys() == self.straight_weights.keys()
         assert any(not torch.equal(self.straight_weights[k], self.at_stop[k]) for k in keys), "the resumed steps did not train"
         return worst_difference({k: self.resumed_weights[k] for k in keys}, {k: self.straight_weights[k] for k in keys})
+
+
+def run_cli_rows(root: Path, rows: list) -> dict:
+    """Every ``[name, argv]`` row through ``dflash-train``'s real entry point in one driver process
+    (tests/train_cli_rows.py, run in ``root``): ``{name: {"code", "stdout", "stderr"}}``."""
+    import json
+    import subprocess
+    import sys
+
+    (root / "rows.json").write_text(json.dumps(rows))
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env.pop("HYDRA_FULL_ERROR", None)
+    driver = Path(__file__).parent / "train_cli_rows.py"
+    proc = subprocess.run([sys.executable, str(driver), str(root / "rows.json"), str(root / "results.json")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((root / "results.json").read_text())

@@ -8,16 +8,14 @@ and no output written. A new CLI or input kind is a new row.
 
 import gzip
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import compose, same_tensors
+from conftest import run_cli_rows, compose, same_tensors
 from safetensors.torch import load_file
 
 from dflash_train.config import validate_config
@@ -248,14 +246,7 @@ def train_rows(broken, tmp_path_factory) -> tuple[Path, dict]:
             **change(broken),
         }
         rows.append([row, ["--config-name=demo", "trainer.max_steps=1", *[f"{k}={v}" for k, v in settings.items()]]])
-    (root / "rows.json").write_text(json.dumps(rows))
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    env.pop("HYDRA_FULL_ERROR", None)
-    driver = Path(__file__).parent / "train_cli_rows.py"
-    proc = subprocess.run([sys.executable, str(driver), str(root / "rows.json"), str(root / "results.json")],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return root, json.loads((root / "results.json").read_text())
+    return root, run_cli_rows(root, rows)
 
 
 @pytest.mark.parametrize("row, change, named", TRAIN, ids=[r[0] for r in TRAIN])

@@ -4,13 +4,11 @@ compose as NeMo writes them. All rows run through the real entry point in one dr
 (tests/train_cli_rows.py); each failing row runs twice, as the check and as a launch."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli_rows
 
 RUN_CONFIG = """\
 defaults:
@@ -130,14 +128,7 @@ def rows(tiny_salm_dir, tmp_path_factory) -> tuple[dict, dict]:
         own_dir = any(arg.startswith("exp_manager.explicit_log_dir=") for arg in extra)
         launch_dir = [] if own_dir else [f"exp_manager.explicit_log_dir={root / 'launches' / str(i)}"]  # Hydra's logs
         table.append([f"launch/{case}", [*args, "trainer=cpu", *launch_dir]])  # cpu: 20 steps, were one to start
-    (root / "rows.json").write_text(json.dumps(table))
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    env.pop("HYDRA_FULL_ERROR", None)
-    driver = Path(__file__).parent / "train_cli_rows.py"
-    proc = subprocess.run([sys.executable, str(driver), str(root / "rows.json"), str(root / "results.json")],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return paths, json.loads((root / "results.json").read_text())
+    return paths, run_cli_rows(root, table)
 
 
 @pytest.mark.parametrize("case, name, extra, line", FAILING, ids=[row[0] for row in FAILING])
