@@ -33,7 +33,7 @@ class CountSyncs(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         last = trainer.global_step + 1 >= trainer.max_steps  # the run's last step logs its window too
-        logs = trainer._logger_connector.should_update_logs or last
+        logs = (trainer.global_step + 1) % trainer.log_every_n_steps == 0 or last  # the step this batch makes
         self._counter = HostSyncCounter().__enter__()
         self.steps.append((logs, self._counter))
 

@@ -92,7 +92,7 @@ def test_serving_anchors_mine_steer_training_and_resume_exactly(tiny_salm_dir, d
     # train/ce, the hard-label CE at every supervised position: the objective itself off-policy, not in the stage
     losses = [(int(row["step"]), float(row["train/ce"]), float(row["train/dflash_loss"])) for row in logged]
     if option is ON_POLICY:
-        assert all(abs(ce - loss) > 1e-3 * ce for step, ce, loss in losses if step >= 2)
+        assert all(abs(ce - loss) > 1e-3 * ce for step, ce, loss in losses if step >= 3)  # logged at the step made
     else:
         assert all(abs(ce - loss) <= 1e-6 * ce for _, ce, loss in losses)
     resumed = train(_recipe(tiny_salm_dir, demo_data, tmp_path / "resumed", 8, *option))

@@ -93,13 +93,13 @@ def _the_report_shows_what_dflash_eval_measures(run_dir, summary, counters):
     history = read_history(run_dir)
     panel = acceptance_figure(history, "").axes[0]
     served = next(line for line in panel.get_lines() if line.get_label().startswith("serving MAL"))
-    assert list(served.get_xdata()) == [STEPS // 2 - 1, STEPS - 1]
+    assert list(served.get_xdata()) == [STEPS // 2, STEPS]  # step N: after N optimizer steps
     assert served.get_ydata()[-1] == pytest.approx(counters.mal, abs=1e-6)
     forced = next(line for line in panel.get_lines() if line.get_label().startswith("val accept_len"))
     assert forced.get_ydata()[-1] == pytest.approx(summary.val_accept_len, abs=1e-6)
-    assert f"| {STEPS - 1} | {summary.val_loss:.3f} | {summary.val_accept_len:.3f} | {counters.mal:.3f} |" in report
+    assert f"| {STEPS} | {summary.val_loss:.3f} | {summary.val_accept_len:.3f} | {counters.mal:.3f} |" in report
     positions = counters.positions()
-    per_position = per_position_figure(history, STEPS - 1).axes[0].get_lines()
+    per_position = per_position_figure(history, STEPS).axes[0].get_lines()
     for position in positions:
         rate, conditional = (f"{v:.3f}" if not math.isnan(v) else "nan" for v in (position.rate, position.conditional))
         assert f"| {position.k} | {rate} | {conditional} |" in report, position
