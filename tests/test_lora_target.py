@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import chatml_speech_batch, same_tensors
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dflash_train.cli import eval as eval_cli
 from dflash_train.cli.export_target import main as export_main
@@ -106,20 +106,6 @@ def _evaluate(tmp_path: Path, name: str, *args: str) -> dict:
 
 def _target_tokens(report: dict) -> list[list[int]]:
     return [sample["target"]["token_ids"] for sample in report["samples"]]
-
-
-def _adapter_free(lora_dir: Path, out: Path) -> Path:
-    """The same SALM without its adapters: base weights under the plain names, no lora block."""
-    import shutil
-
-    shutil.copytree(lora_dir, out)
-    cfg = json.loads((out / "config.json").read_text())
-    del cfg["lora"]
-    (out / "config.json").write_text(json.dumps(cfg))
-    weights = load_file(str(lora_dir / "model.safetensors"))
-    save_file({name.replace("llm.base_model.model.", "llm.").replace(".base_layer.", "."): tensor
-               for name, tensor in weights.items() if ".lora_" not in name}, str(out / "model.safetensors"))
-    return out
 
 
 def test_the_builder_writes_nemos_lora_salm_layout(lora_dir, nemo_salm):
@@ -218,7 +204,7 @@ def test_the_exports_decode_greedy_equal_and_the_vllm_target_decodes_the_lora_mo
     tokens = _target_tokens(lora)
     assert _target_tokens(_evaluate(tmp_path, "served", "--target", str(served_lora), "--draft", draft,
                                     "--cuts", str(val_cuts))) == tokens
-    base = _evaluate(tmp_path, "base", "--target", str(_adapter_free(lora_dir, tmp_path / "base")), "--draft", draft,
+    base = _evaluate(tmp_path, "base", "--target", str(tiny_salm.without_adapters(lora_dir, tmp_path / "base")), "--draft", draft,
                      "--cuts", str(val_cuts))
     assert _target_tokens(base) != tokens
     print(f"target-only tokens, LoRA / merged export: {tokens}; adapter-free: {_target_tokens(base)}")

@@ -457,3 +457,21 @@ def _structure_note(spec: TinySALMSpec) -> str:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def without_adapters(lora_dir: Path, out: Path) -> Path:
+    """A copy of a LoRA SALM checkpoint without its adapters (the base weights under the plain ``llm.*`` names, no
+    ``lora`` block): the adapter-free model the tests compare a LoRA target's outputs against."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(lora_dir, out)
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["lora"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(str(Path(lora_dir) / "model.safetensors"))
+    save_file({name.replace("llm.base_model.model.", "llm.").replace(".base_layer.", "."): tensor
+               for name, tensor in weights.items() if ".lora_" not in name}, str(out / "model.safetensors"))
+    return out

@@ -11,7 +11,6 @@ float32 (as tests/vllm_serving/test_reference_parity.py does).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -36,19 +35,9 @@ def lora_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def adapter_free_checkpoint(lora_checkpoint, tmp_path_factory) -> Path:
     """The same SALM without its adapters: the base weights under the plain names, no lora block."""
-    import shutil
+    from dflash_train.testing.tiny_salm import without_adapters
 
-    from safetensors.torch import load_file, save_file
-
-    out = tmp_path_factory.mktemp("base") / "target"
-    shutil.copytree(lora_checkpoint, out)
-    cfg = json.loads((out / "config.json").read_text())
-    del cfg["lora"]
-    (out / "config.json").write_text(json.dumps(cfg))
-    weights = load_file(str(lora_checkpoint / "model.safetensors"))
-    save_file({name.replace("llm.base_model.model.", "llm.").replace(".base_layer.", "."): tensor
-               for name, tensor in weights.items() if ".lora_" not in name}, str(out / "model.safetensors"))
-    return out
+    return without_adapters(lora_checkpoint, tmp_path_factory.mktemp("base") / "target")
 
 
 @pytest.fixture(scope="module")
