@@ -161,8 +161,9 @@ def serving_requests(served_target, validation_cuts):
     return validation_requests(validation_cuts, AutoTokenizer.from_pretrained(served_target), NUM_REQUESTS)
 
 
-def _untrained_spec(served_target: Path, variant: str):
-    """The shape of the demo's trained draft (its export config if there is one), for ``variant``."""
+def _untrained_spec(served_target: Path, variant: str, demo_shape: bool):
+    """The shape of the demo's trained draft (its export config if there is one and ``demo_shape``: the served
+    target is the demo's), for ``variant``; otherwise the demo recipe's shape derived from ``served_target``."""
     from transformers import AutoTokenizer
 
     from dflash_train.draft import DraftSpec
@@ -170,7 +171,7 @@ def _untrained_spec(served_target: Path, variant: str):
     from dflash_train.variants import VARIANTS
 
     backbone = json.loads((served_target / "llm_backbone" / "config.json").read_text())
-    exports = trained_exports()
+    exports = trained_exports() if demo_shape else {}
     if exports:
         config = json.loads((exports.get("dflash", next(iter(exports.values()))) / "config.json").read_text())
         depth, block = config["num_hidden_layers"], config["dflash_config"]["block_size"]
@@ -183,15 +184,17 @@ def _untrained_spec(served_target: Path, variant: str):
     return DraftSpec(cfg, tuple(layer_ids), mask_id, backbone["num_hidden_layers"])
 
 
-def write_untrained_export(served_target: Path, variant: str, out: Path, architecture: str | None = None) -> Path:
-    """A freshly initialised (seeded) draft export; ``architecture`` overrides the exported name."""
+def write_untrained_export(served_target: Path, variant: str, out: Path, architecture: str | None = None,
+                           demo_shape: bool = True) -> Path:
+    """A freshly initialised (seeded) draft export; ``architecture`` overrides the exported name. ``demo_shape=False``
+    for a target other than the demo's: the trained demo export's taps and mask token id belong to the demo target."""
     import torch
     from transformers import AutoConfig
 
     from dflash_train.draft import build_draft, full_state_dict, write_export
 
     torch.manual_seed(0)
-    spec = _untrained_spec(served_target, variant)
+    spec = _untrained_spec(served_target, variant, demo_shape)
     draft = build_draft(AutoConfig.from_pretrained(served_target / "llm_backbone"), spec, "sdpa")
     write_export(out, draft.config, full_state_dict(draft))
     if architecture is not None:

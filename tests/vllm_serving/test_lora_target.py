@@ -50,7 +50,8 @@ def lora_served(lora_checkpoint, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def lora_draft(lora_served, tmp_path_factory) -> Path:
     """An untrained (seeded) DFlash draft of the demo draft's shape against the LoRA target."""
-    return write_untrained_export(lora_served, "dflash", tmp_path_factory.mktemp("draft") / "export")
+    return write_untrained_export(lora_served, "dflash", tmp_path_factory.mktemp("draft") / "export",
+                                  demo_shape=False)
 
 
 @pytest.fixture(scope="module")
