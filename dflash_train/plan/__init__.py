@@ -1,0 +1,81 @@
+"""Will it fit, and how fast can it be: the recipe's training step at full size under fake tensors
+(no weights, no GPU), measured for peak memory by category, FLOPs, collectives and a roofline bound.
+
+:func:`plan_run` is the one entry point (``dflash-plan`` and other tools call it)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from dflash_train.config.validate import ValidatedConfig
+from dflash_train.plan.fake import PlannedRun, build_run, fake_world
+from dflash_train.plan.flops import GPUS, StepCost, collective_seconds
+from dflash_train.plan.memory import StepMemory
+from dflash_train.plan.report import Plan, gpu_figures
+from dflash_train.plan.step import PhaseHooks, phase_contexts, run_step
+
+__all__ = ["GPUS", "Plan", "plan_run", "measure_step"]
+
+
+def measure_step(planned: PlannedRun, world_size: int, cost: Optional[StepCost]) -> StepMemory:
+    """Run the planned step twice (the second with the optimizer state in place) and count its memory on
+    the second; ``cost`` (when given) counts the second step's FLOPs, bytes and collectives."""
+    memory = StepMemory()
+    module = planned.module
+    memory.register(list(module.target.parameters()) + list(module.target.buffers()), "target_weights")
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in module.draft.parameters()]
+    memory.register(local, "draft_params")
+    on_phase = phase_contexts(memory, cost)  # the cost counts only while its mode is on: the second step
+    PhaseHooks(module, on_phase)
+    with memory.tracking():
+        run_step(module, planned.batch, planned.optimizer, world_size, on_phase, planned.compute_dtype)
+        memory.reset_peak()
+        with cost if cost is not None else contextlib.nullcontext():
+            run_step(module, planned.batch, planned.optimizer, world_size, on_phase, planned.compute_dtype)
+    return memory
+
+
+def plan_run(validated: ValidatedConfig, gpu: str, world_size: int, gpus_per_node: int = 8) -> Plan:
+    """The plan of ``validated`` (a composed, validated recipe) on ``world_size`` ranks of ``gpu`` (a key of
+    :data:`GPUS`): the target and draft built from their config files under fake tensors, the recipe's
+    step run twice on the worst batch over a fake process group. Reads no weights file."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dflash_train.target.load import check_target_for_run
+
+    run, trainer_kwargs = validated
+    figures = GPUS[gpu]
+    layer_ids = check_target_for_run(run, world_size)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_world(world_size) as mesh:
+        with fake:
+            planned = build_run(run, trainer_kwargs, layer_ids, mesh)
+        cost = StepCost(figures)
+        with fake:
+            memory = measure_step(planned, world_size, cost)
+    d = run.dflash
+    return Plan(
+        gpu=gpu,
+        gpu_figures=gpu_figures(figures),
+        world_size=world_size,
+        gpus_per_node=gpus_per_node,
+        variant=d.variant,
+        num_anchors=d.num_anchors,
+        batch_rows=planned.batch.input_ids.shape[0],
+        row_positions=planned.batch.row_lengths[0] - 1 + planned.batch.audio_frames[0],
+        max_steps=trainer_kwargs.get("max_steps") if (trainer_kwargs.get("max_steps") or 0) > 0 else None,
+        memory_peak_bytes=dict(memory.peak),
+        flops=dict(cost.flops),
+        bytes_moved=dict(cost.bytes),
+        roofline_seconds=dict(cost.seconds),
+        collective_bytes=dict(cost.collective_bytes),
+        collective_seconds=collective_seconds(cost.collective_bytes, world_size, gpus_per_node, figures),
+        knobs={"batch_tokens": run.data.train_ds.batch_tokens, "num_anchors": d.num_anchors,
+               "loss_chunk_size": d.loss_chunk_size, "gradient_checkpointing": d.gradient_checkpointing,
+               "reshard_after_forward": run.trainer.strategy.reshard_after_forward,
+               "ep_size": run.trainer.strategy.ep_size, "precision": run.trainer.precision,
+               "strategy": run.trainer.strategy.name},
+    )

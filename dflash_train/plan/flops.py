@@ -1,0 +1,109 @@
+"""FLOPs, memory traffic and collective bytes of the step by phase, and the roofline bound on a GPU.
+
+Every operator the step runs is costed as it runs (on fake or real tensors alike): its FLOPs by
+torch's own formulas (``torch.utils.flop_counter``; matmuls, convolutions, attention), the bytes it
+reads and writes (its tensor inputs and outputs: no fusion assumed, so an upper bound on traffic),
+and, for a collective, the bytes it moves per rank. The roofline time of an operator is
+``max(FLOPs / peak FLOP/s, bytes / bandwidth)``; the sum is a lower bound of the step's compute time
+on that GPU, since a real kernel only ever reaches less than peak.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A GPU's figures the roofline uses: dense BF16 peak, HBM bandwidth, memory, and the per-GPU collective
+    bandwidths inside a node (NVLink) and across nodes (one 400 Gb/s NIC per GPU)."""
+
+    name: str
+    bf16_flops: float  # dense, FLOP/s
+    hbm_bytes_per_s: float
+    memory_bytes: int
+    nvlink_bytes_per_s: float
+    network_bytes_per_s: float = 50e9
+
+
+GPUS = {
+    "h100": GPU("H100 SXM 80 GB", 989e12, 3.35e12, 80 * 10**9, 450e9),
+    "h200": GPU("H200 SXM 141 GB", 989e12, 4.8e12, 141 * 10**9, 450e9),
+    "a100-80g": GPU("A100 SXM 80 GB", 312e12, 2.0e12, 80 * 10**9, 300e9),
+    "b200": GPU("B200 192 GB", 2250e12, 8.0e12, 192 * 10**9, 900e9),
+}
+"""The GPUs ``--gpu`` names, with public spec-sheet figures (dense BF16, no sparsity)."""
+
+COLLECTIVES = {"all_gather": ("allgather", "all_gather"), "reduce_scatter": ("reduce_scatter",),
+               "all_reduce": ("allreduce", "all_reduce"), "all_to_all": ("alltoall", "all_to_all")}
+"""Collective kinds, by the substrings of the c10d operator names that perform them."""
+
+
+def _collective_kind(name: str) -> str | None:
+    for kind, needles in COLLECTIVES.items():
+        if any(needle in name for needle in needles):
+            return kind
+    return None
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class StepCost(TorchDispatchMode):
+    """FLOPs, bytes moved and roofline seconds per phase, and collective bytes per kind, on ``gpu``."""
+
+    def __init__(self, gpu: GPU) -> None:
+        super().__init__()
+        self.gpu = gpu
+        self.phase = "target"
+        self.flops: dict[str, int] = defaultdict(int)
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.collective_bytes: dict[str, int] = defaultdict(int)
+
+    @contextmanager
+    def charged_to(self, phase: str) -> Iterator[None]:
+        """Operators of the block are charged to ``phase``."""
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.__name__
+        kind = _collective_kind(name) if func.namespace in ("c10d", "_c10d_functional", "c10d_functional") else None
+        if kind is not None:
+            # the full buffer (an all-gather's output, a reduce-scatter's input): the largest tensor involved
+            tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
+            self.collective_bytes[kind] += max((_bytes([t]) for t in tensors), default=0)
+            return out
+        flops = 0
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            flops = formula(*args, **kwargs, out_val=out)
+        moved = _bytes(tree_flatten((args, kwargs))[0]) + _bytes(tree_flatten(out)[0])
+        self.flops[self.phase] += flops
+        self.bytes[self.phase] += moved
+        self.seconds[self.phase] += max(flops / self.gpu.bf16_flops, moved / self.gpu.hbm_bytes_per_s)
+        return out
+
+
+def collective_seconds(collective_bytes: dict[str, int], world_size: int, gpus_per_node: int, gpu: GPU) -> float:
+    """Ring lower bound of the step's collectives: each rank sends ``(W−1)/W`` of each buffer, over NVLink
+    inside one node, over the network when the group spans nodes (the slower link bounds the ring)."""
+    if world_size <= 1:
+        return 0.0
+    bandwidth = gpu.nvlink_bytes_per_s if world_size <= gpus_per_node else gpu.network_bytes_per_s
+    return sum(collective_bytes.values()) * (world_size - 1) / world_size / bandwidth
