@@ -38,6 +38,11 @@ class DraftFamily(Protocol):
         """Write the serving export into ``staging`` (renamed to ``location`` afterwards), reload it strictly and
         compare it with ``state``; returns the tensor count."""
 
+    def verify_export(self, location: Path, draft: nn.Module, state: dict, run) -> int:
+        """Reload the export at ``location`` strictly with the matching class and check every trained tensor equals
+        ``state`` (:meth:`write_export` runs it on the staging copy, ``dflash-smoke`` on the final export);
+        returns the tensor count."""
+
     def serve_command(self, export_dir: Path, serve_target: Optional[str], num_speculative_tokens: int,
                       cpu: bool = False) -> str:
         """The ``vllm serve`` line for the export (``serve_target``: the vLLM-ready target, if one was written;
@@ -72,10 +77,15 @@ class BlockDrafts:
         warm_start(draft, path, spec)
 
     def write_export(self, staging, location, draft, state, run, training_info):
-        from dflash_train.draft.export import verify_export, write_export
+        from dflash_train.draft.export import write_export
 
         write_export(staging, draft.config, state, training_info=training_info)
-        return verify_export(staging, state)
+        return self.verify_export(staging, draft, state, run)
+
+    def verify_export(self, location, draft, state, run):
+        from dflash_train.draft.export import verify_export
+
+        return verify_export(location, state)
 
     def serve_command(self, export_dir, serve_target, num_speculative_tokens, cpu=False):
         from dflash_train.target.vllm_export import serve_command
@@ -110,11 +120,16 @@ class MTPHeads:
         warm_start_mtp(draft, path)
 
     def write_export(self, staging, location, draft, state, run, training_info):
-        from dflash_train.draft.mtp_export import verify_mtp_export, write_mtp_export
+        from dflash_train.draft.mtp_export import write_mtp_export
 
         heads, source = run.dflash.num_nextn_predict_layers, run.model.pretrained_name
         write_mtp_export(staging, source, draft, state, heads, location=location, training_info=training_info)
-        return verify_mtp_export(staging, source, draft, state, heads)
+        return self.verify_export(staging, draft, state, run)
+
+    def verify_export(self, location, draft, state, run):
+        from dflash_train.draft.mtp_export import verify_mtp_export
+
+        return verify_mtp_export(location, run.model.pretrained_name, draft, state, run.dflash.num_nextn_predict_layers)
 
     def serve_command(self, export_dir, serve_target, num_speculative_tokens, cpu=False):
         from dflash_train.target.vllm_export import mtp_serve_command

@@ -518,10 +518,11 @@ def summarize(trainer: L.Trainer, paths: RunPaths, callbacks: RunCallbacks) -> T
     )
 
 
-def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
+def train(validated: ValidatedConfig, datamodule_factory=None, callbacks: tuple[Callback, ...] = ()) -> TrainSummary:
     """Run the recipe, step by step: checks, target, draft, data, module, trainer, fit, summary.
 
-    ``datamodule_factory(run, target)`` replaces the configured data pipeline (tests).
+    ``datamodule_factory(run, target)`` replaces the configured data pipeline (tests); ``callbacks`` join the
+    recipe's own, after them (``dflash-smoke``'s measurements: dflash_train/smoke/).
     """
     run, trainer_kwargs = validated
     trainer_kwargs = dict(trainer_kwargs)
@@ -550,11 +551,12 @@ def train(validated: ValidatedConfig, datamodule_factory=None) -> TrainSummary:
     draft = setup_draft(run, target, spec, backend)
     datamodule = datamodule_factory(run, target)
     module = setup_module(run, target, draft, spec, backend, datamodule, half, trainer_kwargs)
-    trainer, callbacks = setup_trainer(run, trainer_kwargs, accelerator, paths, half,
-                                       module.settings.optim.accumulate_grad_batches)
+    trainer, recipe_callbacks = setup_trainer(run, trainer_kwargs, accelerator, paths, half,
+                                              module.settings.optim.accumulate_grad_batches)
+    trainer.callbacks.extend(callbacks)
 
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(paths.resume_from) if paths.resume_from else None)
-    summary = summarize(trainer, paths, callbacks)
+    summary = summarize(trainer, paths, recipe_callbacks)
     if trainer.is_global_zero:
         summary.report_path = report_after_training(paths.run_dir)
     return summary
