@@ -11,13 +11,13 @@ from typing import Optional
 import torch
 
 from dflash_train.config.validate import ValidatedConfig
-from dflash_train.plan.fake import PlannedRun, build_run, fake_world
+from dflash_train.plan.fake import PlannedRun, build_run, fake_world, weights_optional
 from dflash_train.plan.flops import GPUS, StepCost, collective_seconds
 from dflash_train.plan.memory import StepMemory
 from dflash_train.plan.report import Plan, gpu_figures
 from dflash_train.plan.step import PhaseHooks, phase_contexts, run_step
 
-__all__ = ["GPUS", "Plan", "plan_run", "measure_step"]
+__all__ = ["GPUS", "Plan", "plan_run", "measure_step", "weights_optional"]
 
 
 def measure_step(planned: PlannedRun, world_size: int, cost: Optional[StepCost]) -> StepMemory:
@@ -48,7 +48,8 @@ def plan_run(validated: ValidatedConfig, gpu: str, world_size: int, gpus_per_nod
 
     run, trainer_kwargs = validated
     figures = GPUS[gpu]
-    layer_ids = check_target_for_run(run, world_size)
+    with weights_optional():
+        layer_ids = check_target_for_run(run, world_size)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_world(world_size) as mesh:
         with fake:
