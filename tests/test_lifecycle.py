@@ -1,6 +1,11 @@
 """A run as a cluster runs it, through the real CLI: stopped, requeued and resumed (three launches), re-run after
 it finished, and relaunched with too few steps. The resumed run validates on the uninterrupted run's steps, logs
-its values, and its export records them; one step numbering everywhere; every file under the run directory."""
+its values, and its export records them; one step numbering everywhere; every file under the run directory.
+
+The runs export their best validated checkpoint (``exp_manager.export_checkpoint=best``) and their learning rate
+jumps a hundredfold after step 4, which spoils the draft: the last step validates worse than an earlier one, and
+the export (of the uninterrupted run and of the resumed one, whose best step came before a resume) is that
+earlier step, with its logged figures and its checkpoint's weights."""
 
 import json
 import os
@@ -11,11 +16,20 @@ from pathlib import Path
 
 import pytest
 
+import torch
+from safetensors.torch import load_file
+
+from dflash_train.config.metrics import validation_metrics
+from dflash_train.config.validate import read_resolved_config
 from dflash_train.training.history import read_history
 
 STEPS, EVERY = 6, 2
 LAUNCHES = (2, 4, 6)  # max_steps of the resumed run's launches: stopped at 2 and 4 (a requeue), finished at 6
 VALIDATED = [2, 4, 6]
+SPOILED_AFTER_STEP_4 = "dflash.lr_scheduler={_target_:torch.optim.lr_scheduler.MultiStepLR,milestones:[4],gamma:100.0}"
+# the tiny target's DFlash2 serving MAL is 1.0 at every step (nothing to choose); MTP's differs, so MTP's runs
+# monitor what serving prefers
+MONITOR = {"dflash2": "val/accept_len", "mtp": "val/serving_mal"}
 
 
 def _train(args, cwd):
@@ -32,7 +46,8 @@ def _common(salm_dir, demo_data, variant):
         f"data.train_ds.input_cfg.0.cuts_path={train_cuts}", f"data.validation_ds.input_cfg.0.cuts_path={val_cuts}",
         "data.train_ds.bucket_estimate_samples=20", f"trainer.val_check_interval={EVERY}",
         "trainer.limit_val_batches=1", "trainer.log_every_n_steps=1", "dflash.serving_val_samples=2",
-        "dflash.serving_val_max_new_tokens=8", "exp_manager.resume_if_exists=true",
+        "dflash.serving_val_max_new_tokens=8", "exp_manager.resume_if_exists=true", SPOILED_AFTER_STEP_4,
+        f"exp_manager.checkpoint_monitor={MONITOR[variant]}", "exp_manager.export_checkpoint=best",
     ]
 
 
@@ -91,9 +106,16 @@ def _check_resumed_equals_straight(runs: Runs) -> None:
         assert resumed.get(name).values == straight.get(name).values, name
     assert resumed.get("train/dflash_loss").steps == tuple(range(1, STEPS + 1))
     info, straight_info = _training_info(runs.resumed), _training_info(runs.straight)
-    for key in ("global_step", "val_step", "val_accept_len", "val_serving_mal"):
+    for key in ("global_step", "trained_steps", "val_step", "val_accept_len", "val_serving_mal", "exported_checkpoint"):
         assert info[key] == straight_info[key], key
-    assert info["global_step"] == info["val_step"] == STEPS and straight_info["start_step"] == 0
+    _check_the_export_is_the_best_validated_step(runs.straight, straight)
+    _check_the_export_is_the_best_validated_step(runs.resumed, resumed)
+    assert (f"export: {runs.resumed / 'export'} (the best validated checkpoint by {info['exported_checkpoint']['monitor']}"
+            f" (max): step {info['global_step']}, ") in runs.resumed_logs[-1]
+    # what a monitor may name (checked before any weight loads) is what validation logs
+    run = read_resolved_config(runs.straight / "resolved_config.yaml")
+    assert sorted(validation_metrics(run)) == sorted(name for name in straight.series if name.startswith("val"))
+    assert straight_info["start_step"] == 0
     assert info["start_step"] == runs.launches[-2] == json.loads((runs.resumed / "run_info.json").read_text())["start_step"]
     assert f"steps: {STEPS};" in runs.resumed_logs[-1]
     report = (runs.resumed / "report.md").read_text()
@@ -103,6 +125,45 @@ def _check_resumed_equals_straight(runs: Runs) -> None:
     assert [int(s) for s in re.findall(r"^\| (\d+) \|", table, re.M)] == VALIDATED
     best = [int(m.group(1)) for p in (runs.resumed / "checkpoints").iterdir() if (m := re.match(r"best-step=(\d+)-", p.name))]
     assert best and set(best) <= set(VALIDATED), best
+
+
+def _draft_state(checkpoint: Path) -> dict:
+    state = torch.load(str(checkpoint), map_location="cpu", weights_only=False)["state_dict"]
+    return {k.removeprefix("core.draft_model."): v for k, v in state.items() if k.startswith("core.draft_model.")}
+
+
+def _export_holds(export_dir: Path, variant: str, state: dict) -> bool:
+    """Whether the export's weights are ``state`` (a draft state dict) in the variant's serving names."""
+    if variant == "mtp":
+        from dflash_train.draft.mtp import MTPStep
+
+        expected = MTPStep.from_checkpoint(export_dir)[0].checkpoint_state(state)
+    else:
+        from dflash_train.draft.export import export_state_dict
+
+        expected = export_state_dict(state)
+    exported = load_file(str(export_dir / "model.safetensors"))
+    return all(torch.equal(exported[name], tensor) for name, tensor in expected.items())
+
+
+def _check_the_export_is_the_best_validated_step(run_dir: Path, history) -> None:
+    """The export holds the step that validated best on the monitored metric (the earliest of equals), which is
+    not the last one; it records that step's logged figures, and its weights are that checkpoint's draft."""
+    info = _training_info(run_dir)
+    chosen = info["exported_checkpoint"]
+    curve = history.get(chosen["monitor"])
+    at = max(range(len(curve.steps)), key=lambda i: (curve.values[i], -i))
+    best = curve.steps[at]
+    assert chosen["choice"] == "best" and chosen["mode"] == "max" and chosen["score"] == curve.values[at]
+    assert best < STEPS and curve.values[-1] < curve.values[at], f"the last step validated best: {curve}"
+    assert info["trained_steps"] == STEPS and info["global_step"] == info["val_step"] == best
+    assert info["val_accept_len"] == history.get("val/accept_len").values[at]
+    assert info["val_serving_mal"] == history.get("val/serving_mal").values[at]
+    checkpoint = run_dir / "checkpoints" / chosen["checkpoint"]
+    assert chosen["checkpoint"].startswith(f"best-step={best}-")
+    variant = json.loads((run_dir / "run_info.json").read_text())["variant"]
+    assert _export_holds(run_dir / "export", variant, _draft_state(checkpoint))
+    assert not _export_holds(run_dir / "export", variant, _draft_state(run_dir / "checkpoints" / "last.ckpt"))
 
 
 def _check_everything_under_the_run_directory(runs: Runs) -> None:
@@ -138,8 +199,10 @@ def test_rerunning_a_finished_run_says_so_and_changes_nothing_and_fewer_steps_is
     assert code == 0, out[-4000:]
     info = _training_info(runs.resumed)
     assert f"finished: the run reached trainer.max_steps={STEPS}; nothing to do" in out
-    assert (f"export: {runs.resumed / 'export'} (step {STEPS}; recorded val_step {STEPS}, "
-            f"val_accept_len {info['val_accept_len']:.4f}, val_serving_mal {info['val_serving_mal']:.4f})") in out
+    best = info["val_step"]
+    assert (f"export: {runs.resumed / 'export'} (step {STEPS}, the best by val/accept_len: step {best}; recorded "
+            f"val_step {best}, val_accept_len {info['val_accept_len']:.4f}, val_serving_mal "
+            f"{info['val_serving_mal']:.4f})") in out
     assert "vllm serve" in out and "no final export" not in out
     code, out = runs.launch("cwd-fewer", *runs.resumed_args(STEPS - 1))
     assert code == 1 and out.strip().splitlines()[-1] == (

@@ -27,6 +27,8 @@ LIGHTNING_PRECISION = {
 }
 PRECISION_ALIASES = {"bf16-automodel": "bf16-flash"}
 STRATEGIES = ("auto", "ddp", "fsdp2")
+CHECKPOINT_MODES = ("max", "min")
+EXPORT_CHECKPOINTS = ("last", "best")  # exp_manager.export_checkpoint (training/checkpoint_choice.py)
 DEFAULT_PROMPT_FORMAT = "qwen"
 
 
@@ -155,6 +157,7 @@ class ExpManagerConfig:
     checkpoint_monitor: str = "val_acc"
     checkpoint_mode: str = "max"
     save_top_k: int = 1
+    export_checkpoint: str = "last"  # best: export the best checkpoint by checkpoint_monitor (training/checkpoint_choice.py)
     save_last: bool = True
     checkpoint_every_n_steps: Optional[int] = None
     create_tensorboard_logger: bool = True

@@ -26,8 +26,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dflash_train.config.nemo_inputs import SPLITS, expand_nemo_inputs
 from dflash_train.config.nemo_model import resolve_nemo_model_keys
+from dflash_train.config.metrics import describe_metrics, validation_metrics
 from dflash_train.config.schema import (
     ATTENTION_BACKENDS,
+    CHECKPOINT_MODES,
+    EXPORT_CHECKPOINTS,
     LABEL_SOURCES,
     LIGHTNING_PRECISION,
     PERCEPTION_DTYPES,
@@ -329,6 +332,28 @@ RULES: tuple[Rule, ...] = (
         or (run.dflash.serving_val_samples > 0 and run.data.validation_ds is not None),
         lambda run: f"exp_manager.checkpoint_monitor={run.exp_manager.checkpoint_monitor} needs serving validation: "
         "set dflash.serving_val_samples > 0 and a data.validation_ds",
+    ),
+    Rule(
+        lambda run: run.exp_manager.checkpoint_mode in CHECKPOINT_MODES,
+        lambda run: f"exp_manager.checkpoint_mode='{run.exp_manager.checkpoint_mode}' is unknown; choose one of "
+        f"{list(CHECKPOINT_MODES)}",
+    ),
+    Rule(
+        lambda run: run.exp_manager.export_checkpoint in EXPORT_CHECKPOINTS,
+        lambda run: f"exp_manager.export_checkpoint='{run.exp_manager.export_checkpoint}' is unknown; choose one of "
+        f"{list(EXPORT_CHECKPOINTS)}",
+    ),
+    Rule(
+        lambda run: run.exp_manager.export_checkpoint != "best"
+        or (run.exp_manager.save_top_k >= 1 and run.data.validation_ds is not None),
+        lambda run: "exp_manager.export_checkpoint=best exports the best validated checkpoint: set "
+        "exp_manager.save_top_k >= 1 and a data.validation_ds (or export_checkpoint=last)",
+    ),
+    Rule(
+        lambda run: run.data.validation_ds is None or run.exp_manager.save_top_k == 0
+        or run.exp_manager.checkpoint_monitor in validation_metrics(run),
+        lambda run: f"exp_manager.checkpoint_monitor={run.exp_manager.checkpoint_monitor} is not a metric this run's "
+        f"validation logs; set it to one of: {describe_metrics(validation_metrics(run))}",
     ),
     Rule(
         lambda run: run.dflash.label_source in LABEL_SOURCES,

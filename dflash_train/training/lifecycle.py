@@ -60,6 +60,7 @@ class FinishedRun:
     export_dir: Path
     step: int
     figures: dict
+    chosen: Optional[str] = None  # the export holds the best checkpoint's weights: by which metric, which step
 
     def report(self) -> list[str]:
         """The lines a re-run prints instead of training again."""
@@ -67,7 +68,8 @@ class FinishedRun:
         return [
             f"finished: the run reached trainer.max_steps={self.step}; nothing to do (raise trainer.max_steps to "
             "train further from its last checkpoint)",
-            f"export: {self.export_dir} (step {self.step}" + (f"; recorded {recorded})" if recorded else ")"),
+            f"export: {self.export_dir} (step {self.step}" + (f", {self.chosen}" if self.chosen else "")
+            + (f"; recorded {recorded})" if recorded else ")"),
         ]
 
 
@@ -94,10 +96,15 @@ def check_launch(resume_from: Optional[Path], export_dir: Path, max_steps: int) 
             "exp_manager.resume_if_exists=false)"
         )
     info = _export_info(export_dir) if step == max_steps else None
-    if info is None or info.get("global_step") != step:
+    # an export of the best checkpoint holds an earlier step's weights; trained_steps is where training ended
+    # (exports written before it was recorded hold the last step: global_step)
+    if info is None or info.get("trained_steps", info.get("global_step")) != step:
         return None  # not finished, or it stopped before writing its export: the launch writes it
     figures = {k: info[k] for k in ("val_step", "val_accept_len", "val_serving_mal") if info.get(k) is not None}
-    return FinishedRun(export_dir, step, figures)
+    choice = info.get("exported_checkpoint") or {}
+    chosen = (f"the best by {choice['monitor']}: step {info['global_step']}" if choice.get("choice") == "best"
+              else None)
+    return FinishedRun(export_dir, step, figures, chosen)
 
 
 def validation_schedule(trainer_kwargs: dict, accumulate: int) -> dict:

@@ -22,11 +22,11 @@ from dflash_train.atomic import AtomicCheckpointIO, atomic_directory
 from dflash_train.config.schema import LIGHTNING_PRECISION, RunConfig
 from dflash_train.config.validate import ValidatedConfig
 from dflash_train.draft.build import DraftSpec
-from dflash_train.draft.export import full_state_dict
 from dflash_train.draft.family import family_of, serving_lines
 from dflash_train.errors import ConfigError, InputFileError
 from dflash_train.files import check_writable_directory
 from dflash_train.target import load_target_for_run
+from dflash_train.training.checkpoint_choice import ExportedCheckpoint, choose_export
 from dflash_train.training.history import METRICS_DIR, keep_earlier_launch
 from dflash_train.training.launch import run_directory_of
 from dflash_train.training.lifecycle import (FinishedRun, StepCounters, ValidationRecord, check_launch,
@@ -57,6 +57,7 @@ class TrainSummary:
     val_serving_mal: Optional[float] = None  # serving's pooled MAL at the last validation (serving validation on)
     report_path: Optional[Path] = None  # report.md with the training curves (rank 0; training/report.py)
     finished: Optional[FinishedRun] = None  # a re-run of a run that had finished: nothing was trained
+    exported: Optional[str] = None  # which checkpoint the export holds, and why (training/checkpoint_choice.py)
 
     def report(self, run: RunConfig, serve_target: Optional[str] = None) -> list[str]:
         """Readable end-of-run summary, with the exact serve command when an export exists."""
@@ -84,7 +85,7 @@ class TrainSummary:
         if self.export_dir is None:
             lines.append("no final export (training did not finish); resume from the last checkpoint")
             return lines
-        lines.append(f"export: {self.export_dir}")
+        lines.append(f"export: {self.export_dir}" + (f" ({self.exported})" if self.exported else ""))
         return lines + serving_lines(variant_named(run.dflash.variant), run.dflash, self.export_dir, serve_target)
 
 
@@ -148,9 +149,11 @@ class ExportOnTrainEnd(Callback):
 
     The export is written and verified in a directory beside ``out_dir`` and renamed into
     place only when it matches, so ``out_dir`` always holds a whole export (or none). A
-    preempted run writes no export: it has not finished. Its ``training_info`` records the last
-    validation's step and figures (``val_step``, ``val_accept_len``, ``val_serving_mal``), from
-    whichever launch ran it.
+    preempted run writes no export: it has not finished. The export holds the last step, or with
+    ``exp_manager.export_checkpoint=best`` the best validated checkpoint (training/checkpoint_choice.py). Its
+    ``training_info`` records the step the weights are from (``global_step``), the step training reached
+    (``trained_steps``), how they were chosen (``exported_checkpoint``) and that step's validation figures
+    (``val_step``, ``val_accept_len``, ``val_serving_mal``), from whichever launch ran it.
     """
 
     def __init__(self, run: RunConfig, out_dir: Path, preemption: Optional[PreemptionCheckpoint] = None,
@@ -161,20 +164,23 @@ class ExportOnTrainEnd(Callback):
         self.provenance = provenance
         self.validation = validation
         self.written: Optional[Path] = None
+        self.chosen: Optional[ExportedCheckpoint] = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: DFlashDraftModule) -> None:
         if self.preemption is not None and self.preemption.stopped_by is not None:
             return
-        state = full_state_dict(pl_module.draft)  # collective under FSDP2: every rank calls it
+        chosen = choose_export(trainer, pl_module, self.run, self.validation)  # collective under FSDP2
         if trainer.is_global_zero:
             with atomic_directory(self.out_dir) as staging:
-                info = self.provenance.training_info(trainer.global_step) if self.provenance else None
-                if info is not None and self.validation is not None:
+                info = self.provenance.training_info(chosen.step) if self.provenance else None
+                if info is not None:
                     # what training reported, beside what serving the export delivers (dflash-eval, vLLM)
-                    info.update(self.validation.training_info())
+                    info.update(chosen.validation, trained_steps=trainer.global_step,
+                                exported_checkpoint=chosen.choice)
                 family = family_of(pl_module.spec.variant)
-                count = family.write_export(staging, self.out_dir, pl_module.draft, state, self.run, info)
+                count = family.write_export(staging, self.out_dir, pl_module.draft, chosen.state, self.run, info)
             log.info("export: wrote %s (%d tensors), reloaded strictly and matched", self.out_dir, count)
+        self.chosen = chosen
         trainer.strategy.barrier("dflash-export")
         self.written = self.out_dir  # every rank reports the export rank 0 wrote
 
@@ -274,6 +280,9 @@ def _callbacks(run: RunConfig, run_dir: Path, val_every: Optional[int]) -> list[
                 monitor=em.checkpoint_monitor,
                 mode=em.checkpoint_mode,
                 save_top_k=em.save_top_k,
+                # a resumed launch validates its checkpoint's step again, with the same figures: it rewrites that
+                # step's file rather than keeping a "-v1" copy beside it
+                enable_version_counter=False,
             )
         )
     return callbacks
@@ -515,6 +524,7 @@ def summarize(trainer: L.Trainer, paths: RunPaths, callbacks: RunCallbacks) -> T
         skipped=skipped,
         stopped_by=callbacks.preemption.stopped_by,
         val_serving_mal=metrics.get("val/serving_mal"),
+        exported=callbacks.exporter.chosen.describe(trainer.global_step) if callbacks.exporter.chosen else None,
     )
 
 
