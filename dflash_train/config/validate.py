@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from dflash_train.config.nemo_inputs import SPLITS, expand_nemo_inputs
 from dflash_train.config.nemo_model import resolve_nemo_model_keys
-from dflash_train.config.metrics import describe_metrics, validation_metrics
+from dflash_train.config.metrics import describe_metrics, is_logged
 from dflash_train.config.schema import (
     ATTENTION_BACKENDS,
     CHECKPOINT_MODES,
@@ -351,9 +351,9 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         lambda run: run.data.validation_ds is None or run.exp_manager.save_top_k == 0
-        or run.exp_manager.checkpoint_monitor in validation_metrics(run),
+        or is_logged(run, run.exp_manager.checkpoint_monitor),
         lambda run: f"exp_manager.checkpoint_monitor={run.exp_manager.checkpoint_monitor} is not a metric this run's "
-        f"validation logs; set it to one of: {describe_metrics(validation_metrics(run))}",
+        f"validation logs; set it to one of: {describe_metrics(run)}",
     ),
     Rule(
         lambda run: run.dflash.label_source in LABEL_SOURCES,
