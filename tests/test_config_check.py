@@ -80,6 +80,19 @@ FAILING = [
      "config error: dflash.use_fused_linear_ce=true: NeMo's fused linear cross-entropy is not run here; the chunked "
      "loss replaces it (dflash.loss_chunk_size positions per LM-head chunk bound the logits' memory): set "
      "use_fused_linear_ce=false and size the chunks with dflash.loss_chunk_size"),
+    ("monitor without serving validation", "dflash_local",
+     ["exp_manager.checkpoint_monitor=val/serving_mal", "dflash.serving_val_samples=0"],
+     "config error: exp_manager.checkpoint_monitor=val/serving_mal needs serving validation: set "
+     "dflash.serving_val_samples > 0 and a data.validation_ds"),
+    ("monitor validation does not log", "dflash_local", ["exp_manager.checkpoint_monitor=val/serving_mall"],
+     "config error: exp_manager.checkpoint_monitor=val/serving_mall is not a metric this run's validation logs; set "
+     "it to one of: val/dflash_loss, val/dflash_accuracy, val/valid_blocks, val/skipped_batches, val/accept_len, "
+     "val_acc, val/serving_mal, val/serving_rounds, val/serving_failed, val/serving_seconds, "
+     "val/serving_acceptance@1..7, val/serving_conditional@1..7"),
+    ("best export without best checkpoints", "dflash_local", ["exp_manager.export_checkpoint=best",
+                                                             "exp_manager.save_top_k=0"],
+     "config error: exp_manager.export_checkpoint=best exports the best validated checkpoint: set "
+     "exp_manager.save_top_k >= 1 and a data.validation_ds (or export_checkpoint=last)"),
 ]
 BEFORE_COMPOSING = {"override typo"}  # refused before Hydra composes: no config is printed
 
