@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Console entry point: 0 when every checklist item passed, 1 when one failed, 2 for bad input."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # overrides before and after the flags, as Hydra takes them
     configure_console()
 
     def smoke() -> int:

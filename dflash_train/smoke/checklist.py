@@ -159,7 +159,7 @@ def resume_item(saved: Optional[StartState], resumed: FitRun, straight: FitRun, 
     saved_text = "unreadable" if saved is None else f"step {saved.step}, lr {saved.lrs}, {len(saved.schedulers)} scheduler(s)"
     evidence = (f"saved: {saved_text}; resumed: step {start.step}, lr {start.lrs}, scheduler states "
                 f"{'equal' if saved is not None and start.schedulers == saved.schedulers else 'differ'}; final weights vs "
-                f"the uninterrupted fit at step {straight.expected_steps}: max |Δ| {worst:.3g} over {len(a)} tensors "
+                f"the uninterrupted fit at step {straight.expected_steps}: max abs diff {worst:.3g} over {len(a)} tensors "
                 f"(allowed {tolerance:g}{', exact on CPU' if exact else ''})")
     return Item("exact_resume", "resumed step, LR, scheduler and weights", passed, evidence)
 

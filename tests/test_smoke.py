@@ -1,0 +1,143 @@
+"""``dflash-smoke`` through its real command line: the demo recipe on the tiny SALM (DFlash2, one process and two
+torchrun processes), MTP heads on a tiny Nemotron-H target, and each checklist item failing with its fault planted.
+
+The planted faults (``DFLASH_SMOKE_FAULTS``, dflash_train/smoke/meter.py) are applied together in one smoke: each
+breaks a different item, so the run's failed items are exactly the five, while the clean runs pass them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_launcher
+
+BIN = Path(sys.executable).parent
+STEPS = 4
+ITEMS = ["finite_loss_and_gradients", "trainable_parameters", "steps_advance", "skips_by_reason",
+         "validation_valid_anchors", "checkpoint_shards", "exact_resume", "export_reload"]
+
+
+def _tiny_demo(salm_dir, demo_data, run_dir: Path, *extra: str) -> list[str]:
+    train, val = demo_data
+    return ["--config-name=demo", f"model.pretrained_name={salm_dir}", f"data.train_ds.input_cfg.0.cuts_path={train}",
+            f"data.validation_ds.input_cfg.0.cuts_path={val}", "data.train_ds.bucket_estimate_samples=20",
+            "trainer.precision=32-true", "+trainer.enable_progress_bar=false", f"exp_manager.explicit_log_dir={run_dir}",
+            "--steps", str(STEPS), *extra]
+
+
+DFLASH2 = ["dflash=dflash2", "dflash.selector_rank=16", "dflash.selector_top_k=8"]
+
+
+def _env(**extra: str) -> dict:
+    env = {key: value for key, value in os.environ.items() if key != "DFLASH_SMOKE_FAULTS"}
+    return {**env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _smoke(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_train.cli.smoke", *args], cwd=cwd, env=_env(**env),
+                          capture_output=True, text=True, timeout=600)
+
+
+def _report(out: Path) -> dict:
+    report = json.loads((out / "smoke.json").read_text())
+    assert [item["name"] for item in report["items"]] == ITEMS
+    return report
+
+
+def _items(report: dict) -> dict[str, dict]:
+    return {item["name"]: item for item in report["items"]}
+
+
+@pytest.fixture(scope="module")
+def clean(tiny_salm_dir, demo_data, tmp_path_factory):
+    """One process, DFlash2, the default out directory (beside the run directory)."""
+    root = tmp_path_factory.mktemp("clean")
+    proc = _smoke(_tiny_demo(tiny_salm_dir, demo_data, root / "run", *DFLASH2), root)
+    return root, proc
+
+
+def test_one_process_dflash2_passes_every_item_beside_an_untouched_run_directory(clean):
+    root, proc = clean
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert not (root / "run").exists(), "the smoke wrote into the user's run directory"
+    (out,) = root.glob("run-smoke-*")
+    report = _report(out)
+    assert report["passed"] and not report["failed"] and report["world_size"] == 1
+    items = _items(report)
+    assert "max abs diff 0 " in items["exact_resume"]["evidence"] and "step 2" in items["exact_resume"]["evidence"]
+    assert "target parameters trainable: none" in items["trainable_parameters"]["evidence"]
+    assert "selector" in items["trainable_parameters"]["evidence"] or "fc.weight" in items["trainable_parameters"]["evidence"]
+    figures = report["figures"]
+    assert set(figures["phase_median_s"]) == {"data_wait", "target", "draft_forward", "backward", "optimizer"}
+    assert all(seconds >= 0 for seconds in figures["phase_median_s"].values()) and figures["tokens_per_s"] > 0
+    assert figures["memory"][0]["process_peak_rss_gib"] > 0 and figures["host_syncs_per_step_max"] is not None
+    assert figures["mfu"] is None and "MFU = (2·P_target·T" in figures["mfu_note"]
+    table = (out / "smoke.md").read_text()
+    assert table in proc.stdout and "All items passed." in table and "| finite loss and gradients | pass |" in table
+
+
+def test_planted_faults_each_fail_their_own_item(tiny_salm_dir, demo_data, tmp_path):
+    faults = "nan_gradient,trainable_target,missing_shard,resume_drift,export_not_reloading"
+    proc = _smoke(_tiny_demo(tiny_salm_dir, demo_data, tmp_path / "run", *DFLASH2, "--out", str(tmp_path / "out")),
+                  tmp_path, DFLASH_SMOKE_FAULTS=faults)
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-6000:]
+    report = _report(tmp_path / "out")
+    expected = ["finite_loss_and_gradients", "trainable_parameters", "checkpoint_shards", "exact_resume", "export_reload"]
+    assert report["failed"] == expected
+    assert f"dflash-smoke: FAILED: {', '.join(expected)}" in proc.stdout
+    items = _items(report)
+    assert "steps not applied for a non-finite gradient: 2" in items["finite_loss_and_gradients"]["evidence"]
+    assert "train/nonfinite 1" in items["skips_by_reason"]["evidence"]  # the skip, by its reason
+    assert "target parameters trainable: " in items["trainable_parameters"]["evidence"]
+    assert "trainable: none" not in items["trainable_parameters"]["evidence"]
+    assert "missing ['last.ckpt']" in items["checkpoint_shards"]["evidence"]
+    assert "max abs diff 0 " not in items["exact_resume"]["evidence"] and "lr [" in items["exact_resume"]["evidence"]
+    assert "do not match the draft: missing" in items["export_reload"]["evidence"]
+
+
+def test_bad_input_fails_in_one_line_before_anything_loads(tiny_salm_dir, demo_data, tmp_path, capsys, monkeypatch):
+    from dflash_train.cli.smoke import main
+
+    run_dir = tmp_path / "run"
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("x")
+    cases = {
+        ("--out", str(tmp_path / "taken")): "exists and is not empty",
+        ("--out", str(run_dir / "smoke")): "is the run directory",
+        ("--steps", "1"): "--steps 1",
+        ("dflash.num_anchor=4",): "dflash.num_anchor",
+    }
+    for extra, message in cases.items():
+        assert main(_tiny_demo(tiny_salm_dir, demo_data, run_dir, *extra)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("dflash-smoke: error: ") and message in err[0], (extra, err)
+    monkeypatch.setenv("DFLASH_SMOKE_FAULTS", "nan_grad")
+    assert main(_tiny_demo(tiny_salm_dir, demo_data, run_dir)) == 2
+    assert "unknown fault(s) ['nan_grad']" in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+def test_two_torchrun_processes(tiny_salm_dir, demo_data, tmp_path):
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dflash_train.cli.smoke",
+               *_tiny_demo(tiny_salm_dir, demo_data, tmp_path / "run", *DFLASH2, "trainer.devices=2", "--out",
+                           str(tmp_path / "out"))]
+    proc = run_launcher(command, _env(), 600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    report = _report(tmp_path / "out")
+    assert report["passed"] and report["world_size"] == 2
+    assert len(report["figures"]["memory"]) == 2
+    assert "(world size 2)" in _items(report)["checkpoint_shards"]["title"]
+
+
+def test_mtp_heads_on_a_nemotron_h_target(tiny_hybrid_dir, demo_data, tmp_path):
+    proc = _smoke(_tiny_demo(tiny_hybrid_dir, demo_data, tmp_path / "run", "model=salm_automodel", "dflash=mtp",
+                             "--out", str(tmp_path / "out")), tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    report = _report(tmp_path / "out")
+    assert report["passed"], report["failed"]
+    assert "eh_proj.weight" in _items(report)["trainable_parameters"]["evidence"]  # the MTP step, NeMo's layout
