@@ -99,10 +99,12 @@ class PlannedRun:
     compute_dtype: Optional[torch.dtype]
 
 
-def build_run(run: RunConfig, trainer_kwargs: dict, layer_ids: list[int], mesh, target=None) -> PlannedRun:
+def build_run(run: RunConfig, trainer_kwargs: dict, layer_ids: list[int], mesh, target=None,
+              worst_anchors: bool = True) -> PlannedRun:
     """The recipe's draft, module and optimizer on ``target`` (built from config when ``None``), the draft
     sharded over ``mesh`` when the strategy is FSDP2, and the worst batch. Call under the tensor mode the
-    plan runs in (fake, or none for the check against real tensors)."""
+    plan runs in (fake, or none for the check against real tensors, which may keep the module's own anchor
+    draw: ``worst_anchors=False``)."""
     half = torch.bfloat16 if run.trainer.precision.startswith("bf16") else None
     if target is None:
         target = build_salm_from_config(Path(run.model.pretrained_name).expanduser(), half or torch.float32)
@@ -118,7 +120,8 @@ def build_run(run: RunConfig, trainer_kwargs: dict, layer_ids: list[int], mesh, 
     optimizer = module.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
     target._frames_checked = True
-    _worst_anchor_draw(module, d.num_anchors)
+    if worst_anchors:
+        _worst_anchor_draw(module, d.num_anchors)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # the frame estimator checks itself on real lengths; the batch is small

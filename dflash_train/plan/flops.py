@@ -47,6 +47,20 @@ COLLECTIVES = {"all_gather": ("allgather", "all_gather"), "reduce_scatter": ("re
 """Collective kinds, by the substrings of the c10d operator names that perform them."""
 
 
+def _cpu_attention_flops(func, args) -> int | None:
+    """FLOPs of CPU's fused SDPA kernels, which torch's table leaves out (it has the GPU ones): the forward's
+    two matmuls ``4·B·H·Sq·Sk·D``, the backward's four ``8·B·H·Sq·Sk·D`` (the counts of torch's formulas for
+    the GPU kernels); the plan and the check against real tensors run on CPU."""
+    name = func.__name__
+    if not name.startswith("_scaled_dot_product_flash_attention_for_cpu"):
+        return None
+    backward = "backward" in name
+    query, key = (args[1], args[2]) if backward else (args[0], args[1])
+    batch, heads, s_q, dim = query.shape
+    forward = 4 * batch * heads * s_q * key.shape[-2] * dim
+    return 2 * forward if backward else forward
+
+
 def _collective_kind(name: str) -> str | None:
     for kind, needles in COLLECTIVES.items():
         if any(needle in name for needle in needles):
@@ -89,10 +103,10 @@ class StepCost(TorchDispatchMode):
             tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
             self.collective_bytes[kind] += max((_bytes([t]) for t in tensors), default=0)
             return out
-        flops = 0
+        flops = _cpu_attention_flops(func, args)
         formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            flops = formula(*args, **kwargs, out_val=out)
+        if flops is None:
+            flops = 0 if formula is None else formula(*args, **kwargs, out_val=out)
         moved = _bytes(tree_flatten((args, kwargs))[0]) + _bytes(tree_flatten(out)[0])
         self.flops[self.phase] += flops
         self.bytes[self.phase] += moved

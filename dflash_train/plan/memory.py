@@ -55,6 +55,7 @@ class StepMemory(TorchDispatchMode):
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.peak = dict(self.live)
         self.peak_total = 0
+        self.high_water = dict(self.live)  # each category's own highest live bytes (its peak need not be the step's)
         self._owner: dict[int, tuple[str, int]] = {}  # id(storage) -> (category, bytes)
         self._resize = None
 
@@ -90,6 +91,9 @@ class StepMemory(TorchDispatchMode):
         self._observe()
 
     def _observe(self) -> None:
+        for category, live in self.live.items():
+            if live > self.high_water[category]:
+                self.high_water[category] = live
         total = sum(self.live.values())
         if total > self.peak_total:
             self.peak_total = total
@@ -98,6 +102,7 @@ class StepMemory(TorchDispatchMode):
     def reset_peak(self) -> None:
         """Forget the peak so far: the next one is measured from what is live now."""
         self.peak_total = 0
+        self.high_water = dict(self.live)
         self._observe()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

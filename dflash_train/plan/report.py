@@ -30,8 +30,10 @@ class Plan:
     num_anchors: int
     batch_rows: int
     row_positions: int
+    supervised_tokens: int
     max_steps: Optional[int]
     memory_peak_bytes: dict
+    memory_high_water_bytes: dict  # each category's own highest, wherever in the step it was
     flops: dict
     bytes_moved: dict
     roofline_seconds: dict

@@ -1,0 +1,152 @@
+"""dflash-plan (dflash_train/plan/, dflash_train/cli/plan.py): the plan is checked, not trusted.
+
+* its memory breakdown on fake tensors equals, category by category, the same step run for real on
+  CPU with the module's own anchor draw (measured: identical to the byte), and its fixed categories
+  equal the tensors' own sizes;
+* the target's FLOPs equal the written transformer formula;
+* one knob at a time moves the figures it should, in the right direction and by about the right size;
+* the command plans a checkpoint whose weights file is absent, and refuses bad input in one line.
+
+Every plan runs the tiny SALM (tests/conftest.py) at a small batch: a plan takes a few seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import compose, tiny_run_overrides
+
+GIB = 2**30
+
+
+def _overrides(salm_dir, run_dir, *extra: str) -> list[str]:
+    """The recipe on the tiny SALM with a small worst batch: 2 rows of 256 positions, 5 s of audio each."""
+    return [*tiny_run_overrides(salm_dir), f"exp_manager.explicit_log_dir={run_dir}",
+            "data.train_ds.batch_tokens=512", "data.train_ds.max_tokens=256", "data.train_ds.max_duration=5",
+            "dflash.num_anchors=64", *extra]
+
+
+def _validated(salm_dir, run_dir, *extra: str):
+    from dflash_train.config import validate_config
+
+    return validate_config(compose("dflash", _overrides(salm_dir, run_dir, *extra)))
+
+
+def _plan(salm_dir, run_dir, *extra: str, world: int = 2):
+    from dflash_train.plan import plan_run
+
+    return plan_run(_validated(salm_dir, run_dir, "trainer.strategy.name=fsdp2", *extra), "h100", world)
+
+
+@pytest.fixture(scope="module")
+def base_plan(tiny_salm_dir, tmp_path_factory):
+    return _plan(tiny_salm_dir, tmp_path_factory.mktemp("plan_run"))
+
+
+def _rounded_bytes(tensors) -> int:
+    from dflash_train.plan.memory import BLOCK
+
+    return sum(-(-t.untyped_storage().nbytes() // BLOCK) * BLOCK for t in tensors)
+
+
+def test_plan_matches_the_real_step_on_cpu(tiny_salm_dir, tiny_target, tmp_path):
+    """Fake and real steps, same recipe (one rank), every category within 1 % (measured: equal); the real one
+    draws its anchors with the module's own draw, the plan with its worst-case stand-in."""
+    from dflash_train.plan import measure_step, plan_run
+    from dflash_train.plan.fake import build_run, fake_world
+    from dflash_train.target.load import check_target_for_run
+
+    validated = _validated(tiny_salm_dir, tmp_path)
+    plan = plan_run(validated, "h100", 1)
+    run, trainer_kwargs = validated
+    with fake_world(1) as mesh:
+        real = build_run(run, trainer_kwargs, check_target_for_run(run, 1), mesh, target=tiny_target,
+                         worst_anchors=False)
+        memory = measure_step(real, 1, None)
+    module = real.module
+    assert plan.memory_peak_bytes.keys() == memory.peak.keys()
+    for category, measured in memory.peak.items():
+        assert plan.memory_peak_bytes[category] == pytest.approx(measured, rel=0.01), category
+    assert plan.peak_bytes == pytest.approx(sum(memory.peak.values()), rel=0.01)
+    # the fixed categories are the tensors' own sizes: nothing double-counted, nothing left out
+    target_tensors = list(module.target.parameters()) + list(module.target.buffers())
+    assert plan.memory_peak_bytes["target_weights"] == _rounded_bytes(target_tensors)
+    draft_bytes = _rounded_bytes(module.draft.parameters())
+    assert plan.memory_peak_bytes["draft_params"] == draft_bytes
+    assert 2 * draft_bytes <= plan.memory_peak_bytes["optimizer_state"] <= 2 * draft_bytes + 2**20  # AdamW's 2 moments
+    assert plan.memory_peak_bytes["draft_activations"] > 0 and plan.memory_peak_bytes["loss_chunks"] > 0
+
+
+def test_target_flops_follow_the_transformer_formula(base_plan, tiny_salm_dir):
+    """Target phase = 2·N·(layer matmul weights) + SDPA's 4·B·H·S²·d per layer + the label head on the supervised
+    positions; exact up to 1 %."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(tiny_salm_dir / "llm_backbone")
+    d, heads, kv, hd, inter = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
+    rows, seq = base_plan.batch_rows, base_plan.row_positions
+    layer_weights = d * heads * hd + 2 * d * kv * hd + heads * hd * d + 3 * d * inter
+    linear = 2 * rows * seq * c.num_hidden_layers * layer_weights
+    attention = 4 * rows * heads * seq * seq * hd * c.num_hidden_layers
+    labels = 2 * base_plan.supervised_tokens * d * c.vocab_size  # the label head runs on supervised positions only
+    assert base_plan.flops["target"] == pytest.approx(linear + attention + labels, rel=0.01)
+    assert base_plan.flops["backward"] > base_plan.flops["draft_forward"]  # about twice the differentiated forward
+
+
+def test_one_knob_at_a_time(base_plan, tiny_salm_dir, tmp_path):
+    """Each knob moves what it should: anchors and batch_tokens grow the draft's activations (about in
+    proportion), more ranks shrink the sharded state, a smaller loss chunk shrinks the loss buffers,
+    checkpointing shrinks the activations; nothing else moves the wrong way."""
+    base = base_plan.memory_peak_bytes
+    anchors = _plan(tiny_salm_dir, tmp_path, "dflash.num_anchors=128").memory_peak_bytes
+    assert 1.6 < anchors["draft_activations"] / base["draft_activations"] < 2.2
+    tokens = _plan(tiny_salm_dir, tmp_path, "data.train_ds.batch_tokens=1024")
+    assert tokens.batch_rows == 2 * base_plan.batch_rows
+    assert 1.6 < tokens.memory_peak_bytes["draft_activations"] / base["draft_activations"] < 2.2
+    assert 1.6 < tokens.flops["target"] / base_plan.flops["target"] < 2.2
+    wider = _plan(tiny_salm_dir, tmp_path, world=4)
+    assert 0.4 < wider.memory_peak_bytes["draft_params"] / base["draft_params"] < 0.65
+    assert 0.4 < wider.memory_peak_bytes["optimizer_state"] / base["optimizer_state"] < 0.65
+    assert wider.memory_peak_bytes["target_weights"] == base["target_weights"]
+    chunk = _plan(tiny_salm_dir, tmp_path, "dflash.loss_chunk_size=64").memory_high_water_bytes
+    assert chunk["loss_chunks"] < 0.6 * base_plan.memory_high_water_bytes["loss_chunks"]
+    checkpointed = _plan(tiny_salm_dir, tmp_path, "dflash.gradient_checkpointing=true")
+    assert checkpointed.memory_peak_bytes["draft_activations"] < 0.8 * base["draft_activations"]
+    assert checkpointed.flops["backward"] > base_plan.flops["backward"]  # the forward runs again
+
+
+def test_cli_plans_a_checkpoint_without_its_weights(tiny_salm_dir, tmp_path, capsys):
+    from dflash_train.cli.plan import main
+
+    target = tmp_path / "config_only"
+    shutil.copytree(tiny_salm_dir, target, ignore=shutil.ignore_patterns("model.safetensors"))
+    cuts = tmp_path / "cuts.jsonl"
+    cuts.write_text('{"id": "utt-1"}\n')  # the launch's check reads no record
+    out = tmp_path / "plan.json"
+    overrides = [o for o in _overrides(target, tmp_path / "run") if not o.startswith("data.train_ds.input_cfg")]
+    code = main(["--gpu", "h200", "--gpus-per-node", "2", "--nodes", "1", "--json", str(out),
+                 f"data.train_ds.input_cfg=[{{type: lhotse_as_conversation, cuts_path: {cuts}}}]", *overrides])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "fits" in printed and "bound (not a measurement)" in printed
+    plan = json.loads(out.read_text())
+    assert plan["world_size"] == 2 and plan["fits"] and plan["gpu"] == "h200"
+    assert plan["needed_bytes"] == plan["peak_bytes"] + plan["allowance_bytes"]
+    assert set(plan["flops"]) >= {"perception", "target", "draft_forward", "loss", "backward"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu", "h100", "--gpus-per-node", "0"], "--gpus-per-node=0"),
+    (["--gpu", "h100", "dflash.num_anchor=3"], "did you mean 'num_anchors'"),
+    (["--gpu", "h100", "--config-dir", "/nonexistent"], "--config-dir=/nonexistent is not a directory"),
+])
+def test_bad_input_is_one_line_before_any_build(argv, message, capsys):
+    from dflash_train.cli.plan import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dflash-plan: error:") and message in err[0]
