@@ -141,3 +141,31 @@ def test_mtp_heads_on_a_nemotron_h_target(tiny_hybrid_dir, demo_data, tmp_path):
     report = _report(tmp_path / "out")
     assert report["passed"], report["failed"]
     assert "eh_proj.weight" in _items(report)["trainable_parameters"]["evidence"]  # the MTP step, NeMo's layout
+
+
+def test_the_plan_stands_beside_the_figures_on_a_gpu_it_knows(tiny_salm_dir, tmp_path):
+    """On CUDA the figures carry dflash-plan's bounds and the measured/plan ratio (here: the plan of an H100 and a
+    made-up measurement, rendered as the report renders it); on a CPU there is no plan, and the note says why."""
+    from conftest import compose, tiny_run_overrides
+
+    from dflash_train.config import validate_config
+    from dflash_train.smoke.checklist import Figures, Item, markdown
+    from dflash_train.smoke.run import plan_prediction
+
+    validated = validate_config(compose("dflash", [*tiny_run_overrides(tiny_salm_dir), "trainer.strategy.name=fsdp2",
+                                                   f"exp_manager.explicit_log_dir={tmp_path / 'run'}",
+                                                   "data.train_ds.batch_tokens=512", "data.train_ds.max_tokens=256",
+                                                   "data.train_ds.max_duration=5", "dflash.num_anchors=64"]))
+    assert plan_prediction(validated, 2, None)[0] == {}
+    plan, note = plan_prediction(validated, 2, "NVIDIA H100 80GB HBM3")
+    assert set(plan) == {"target", "draft_forward", "backward", "optimizer", "step_s", "tokens_per_s", "mfu",
+                         "peak_allocated_gib"}, note
+    assert all(value > 0 for value in plan.values()) and "H100" in note
+    phases = {"data_wait": 0.001, "target": 0.01, "draft_forward": 0.02, "backward": 0.03, "optimizer": 0.004}
+    figures = Figures(1, 4, phases, sum(phases.values()), 1000.0, 0.2, "MFU = ...",
+                      [{"allocated_gib": 1.0, "reserved_gib": 2.0, "process_peak_rss_gib": None}], 3, 4, [], 0, plan)
+    text = markdown([Item("x", "x", True, "e")], figures, {"recipe": "r", "world_size": 2, "device": "H100",
+                                                           "plan_note": note})
+    backward = f"30.0 ms (plan {1000 * plan['backward']:.1f} ms, measured/plan {0.03 / plan['backward']:.2f})"
+    assert f"| step time: backward | {backward} |" in text
+    assert "measured/plan" in text.split("| MFU |")[1].splitlines()[0]

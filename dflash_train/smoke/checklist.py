@@ -10,14 +10,21 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from dflash_train.smoke.meter import PHASES, FitRecord, StartState
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
-"""Dense BF16 peak FLOP/s of the GPUs MFU is computed for (SXM parts), by the name in ``torch.cuda.get_device_name``."""
+
+
+def gpu_key(device_name: Optional[str]) -> Optional[str]:
+    """The key of ``dflash-plan``'s GPU table (:data:`~dflash_train.plan.GPUS`: its peak FLOP/s and bandwidths) for a
+    ``torch.cuda.get_device_name``, ``None`` for a CPU or a GPU the table does not hold."""
+    from dflash_train.plan import GPUS
+
+    name = (device_name or "").upper()
+    return next((key for key in GPUS if device_name and key.split("-")[0].upper() in name), None)
 
 MFU_FORMULA = ("MFU = (2·P_target·T + 6·P_draft·Q + 4·Q·H·V) / (step time · peak BF16 FLOP/s); T = real positions of "
                "the step's batch on all ranks, Q = draft query positions (logged valid blocks × block size, all ranks), "
@@ -205,7 +212,10 @@ def figures(straight: FitRecord, synced: FitRecord, params: dict[str, int], worl
     step = statistics.median(step_times) if step_times else math.nan
     tokens = statistics.median([straight.tokens[i] for i in kept]) * world_size if n else 0
     queries = [straight.query_tokens[i] for i in kept if not math.isnan(straight.query_tokens[i])]
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if device_name and k in device_name), None)
+    from dflash_train.plan import GPUS
+
+    key = gpu_key(device_name)
+    peak = GPUS[key].bf16_flops if key else None
     mfu, note = None, MFU_FORMULA
     if peak is None:
         note += f"; not computed: no BF16 peak for {device_name or 'a CPU'}"
@@ -230,11 +240,18 @@ def _gib(value: Optional[float]) -> str:
     return "n/a" if value is None else f"{value:.2f} GiB"
 
 
-def _with_plan(figs: Figures, key: str, measured: Optional[float], text: str) -> str:
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:.1f} ms"
+
+
+def _with_plan(figs: Figures, key: str, measured: Optional[float], show: Callable[[float], str]) -> str:
+    """``measured`` as ``show`` writes it, with dflash-plan's prediction in the same unit and their ratio beside it."""
+    if measured is None:
+        return "n/a"
     predicted = figs.plan.get(key)
-    if predicted is None or measured is None:
-        return text
-    return f"{text} (plan {predicted:.4g}, measured/plan {measured / predicted:.2f})"
+    if not predicted:
+        return show(measured)
+    return f"{show(measured)} (plan {show(predicted)}, measured/plan {measured / predicted:.2f})"
 
 
 def markdown(items: list[Item], figs: Figures, context: dict) -> str:
@@ -245,22 +262,19 @@ def markdown(items: list[Item], figs: Figures, context: dict) -> str:
     lines += ["", f"Figures of the uninterrupted fit after {figs.warmup_steps} warm-up step(s), median of "
                   f"{figs.measured_steps}:", "", "| figure | value |", "| --- | --- |"]
     for phase, seconds in figs.phase_median_s.items():
-        lines.append(f"| step time: {phase} | {_with_plan(figs, phase, seconds, f'{1000 * seconds:.1f} ms')} |")
-    lines.append(f"| step time (sum of phases) | {_with_plan(figs, 'step_s', figs.step_median_s, f'{1000 * figs.step_median_s:.1f} ms')} |")
-    lines.append(f"| tokens/s (all ranks) | {_with_plan(figs, 'tokens_per_s', figs.tokens_per_s, f'{figs.tokens_per_s:,.0f}')} |")
-    mfu = "n/a" if figs.mfu is None else f"{100 * figs.mfu:.1f}%"
-    lines.append(f"| MFU | {_with_plan(figs, 'mfu', figs.mfu, mfu)} |")
+        lines.append(f"| step time: {phase} | {_with_plan(figs, phase, seconds, _ms)} |")
+    lines.append(f"| step time (sum of phases) | {_with_plan(figs, 'step_s', figs.step_median_s, _ms)} |")
+    lines.append(f"| tokens/s (all ranks) | {_with_plan(figs, 'tokens_per_s', figs.tokens_per_s, lambda v: f'{v:,.0f}')} |")
+    lines.append(f"| MFU | {_with_plan(figs, 'mfu', figs.mfu, lambda v: f'{100 * v:.1f}%')} |")
     for rank, mem in enumerate(figs.memory):
         if mem["allocated_gib"] is not None:
-            text = f"allocated {_gib(mem['allocated_gib'])}, reserved {_gib(mem['reserved_gib'])}"
-            lines.append(f"| peak memory, rank {rank} | {_with_plan(figs, 'peak_allocated_gib', mem['allocated_gib'], text)} |")
+            allocated = _with_plan(figs, "peak_allocated_gib", mem["allocated_gib"], _gib)
+            lines.append(f"| peak memory, rank {rank} | allocated {allocated}, reserved {_gib(mem['reserved_gib'])} |")
         else:
             lines.append(f"| peak memory, rank {rank} | process peak RSS {_gib(mem['process_peak_rss_gib'])} (CPU) |")
     lines.append(f"| host syncs per step | median {figs.host_syncs_per_step_median}, max {figs.host_syncs_per_step_max} |")
     lines.append(f"| compile cache entries (recompiles) | {figs.compile_cache_entries} |")
-    lines += ["", figs.mfu_note, ""]
-    if not figs.plan:
-        lines += [context.get("plan_note", ""), ""]
+    lines += ["", figs.mfu_note, "", context["plan_note"], ""]
     failed = [i.name for i in items if not i.passed]
     lines.append(f"**FAILED: {', '.join(failed)}**" if failed else "All items passed.")
     return "\n".join(lines) + "\n"

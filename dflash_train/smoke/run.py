@@ -15,7 +15,6 @@ report (``smoke.json``, ``smoke.md``) into the out directory.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -28,10 +27,9 @@ import torch
 from omegaconf import DictConfig
 
 from dflash_train.config.compose import compose_config
-from dflash_train.config.schema import ExpManagerConfig
 from dflash_train.config.validate import ValidatedConfig, validate_config
 from dflash_train.errors import ConfigError
-from dflash_train.smoke.checklist import (FitRun, Item, checkpoint_shards, export_item, figures, finite_item,
+from dflash_train.smoke.checklist import (FitRun, Item, checkpoint_shards, export_item, figures, finite_item, gpu_key,
                                           markdown, report_dict, resume_item, saved_state,
                                           shards_item, skips_item, steps_item, trainable_item, validation_item)
 from dflash_train.smoke.meter import SmokeMeter, planted_faults
@@ -40,8 +38,6 @@ from dflash_train.training.launch import launch_stamp
 log = logging.getLogger(__name__)
 
 DEFAULT_STEPS = 25
-PLAN_NOTE = ("dflash-plan's predictions: not shown (dflash_train.plan predicts GPU runs; the smoke asks it only on a "
-             "CUDA device once it is installed)")
 
 
 @dataclass(frozen=True)
@@ -93,9 +89,8 @@ def phase_overrides(request: SmokeRequest, run_dir: Path, resume: bool) -> list[
         "exp_manager.create_wandb_logger=false",
         "exp_manager.create_mlflow_logger=false",
         "dflash.output_dir=export",
+        "exp_manager.export_checkpoint=last",
     ]
-    if "export_checkpoint" in {f.name for f in dataclasses.fields(ExpManagerConfig)}:
-        forced.append("exp_manager.export_checkpoint=last")
     return ["trainer.limit_val_batches=2", *request.overrides, *forced]
 
 
@@ -200,11 +195,11 @@ def run_smoke(plan: SmokePlan) -> int:
     ]
     device = torch.cuda.get_device_name(0) if on_cuda else "cpu"
     figs = figures(straight.record, stopped.record, straight.record.params, world, device if on_cuda else None)
-    figs.plan = plan_prediction(user, world, device if on_cuda else None)
+    figs.plan, plan_note = plan_prediction(user, world, device if on_cuda else None)
     context = {"recipe": request.config_name, "overrides": list(request.overrides), "config_dir": str(request.config_dir)
                if request.config_dir else None, "steps": request.steps, "world_size": world, "device": device,
                "out": str(out), "planted_faults": sorted(faults), "wall_s": round(time.perf_counter() - started, 1),
-               "plan_note": PLAN_NOTE}
+               "plan_note": plan_note}
     report = report_dict(items, figs, context)
     (out / "smoke.json").write_text(json.dumps(report, indent=2, default=str))
     text = markdown(items, figs, context)
@@ -222,9 +217,26 @@ def _delete_one_file(checkpoint: Path) -> None:
     victim.unlink()
 
 
-def plan_prediction(user: ValidatedConfig, world_size: int, device_name: Optional[str]) -> dict:
-    """``dflash-plan``'s prediction of each figure for this recipe on this GPU, by the figure names of
-    :class:`~dflash_train.smoke.checklist.Figures` (``data_wait`` ... ``step_s``, ``tokens_per_s``, ``mfu``,
-    ``peak_allocated_gib``): the column the report shows beside each measured figure with their ratio. Empty
-    until the planner (``dflash_train.plan``) is part of the package: the report then says so."""
-    return {}
+def plan_prediction(user: ValidatedConfig, world_size: int, device_name: Optional[str]) -> tuple[dict, str]:
+    """``dflash-plan``'s prediction (:func:`~dflash_train.plan.plan_run`, bounds: roofline step time, tokens/s and
+    MFU, the counted peak memory) of each figure for this recipe on this GPU, keyed as :func:`markdown` shows them,
+    and a note saying where they come from. Empty on a CPU or a GPU the planner has no figures for: its bounds are
+    a GPU's."""
+    from dflash_train.plan import plan_run
+
+    key = gpu_key(device_name)
+    if key is None:
+        return {}, f"dflash-plan's predictions: not shown (the planner bounds GPU runs; this one ran on {device_name or 'CPU'})"
+    try:
+        plan = plan_run(user, key, world_size, gpus_per_node=max(1, torch.cuda.device_count()))
+    except Exception as err:  # noqa: BLE001 - the smoke's verdict stands without the plan beside it
+        return {}, f"dflash-plan's predictions: not shown (the planner failed: {type(err).__name__}: {err})"
+    seconds = plan.roofline_seconds
+    predicted = {"target": seconds.get("perception", 0.0) + seconds.get("target", 0.0),
+                 "draft_forward": seconds.get("draft_forward", 0.0) + seconds.get("loss", 0.0),
+                 "backward": seconds.get("backward", 0.0), "optimizer": seconds.get("optimizer", 0.0),
+                 "step_s": plan.step_seconds, "tokens_per_s": plan.tokens_per_second, "mfu": plan.mfu,
+                 "peak_allocated_gib": plan.peak_bytes / 2**30}
+    return predicted, (f"plan: dflash-plan's bounds on {plan.gpu_figures['name']} (roofline per phase, perception in "
+                       "target and the loss in draft forward; counted peak memory without the allowance); a measured/plan "
+                       "ratio above 1 is time the bound does not see")
