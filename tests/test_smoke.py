@@ -134,9 +134,9 @@ def test_two_torchrun_processes(tiny_salm_dir, demo_data, tmp_path):
     assert "(world size 2)" in _items(report)["checkpoint_shards"]["title"]
 
 
-def test_mtp_heads_on_a_nemotron_h_target(tiny_hybrid_dir, demo_data, tmp_path):
+def test_mtp_heads_on_a_nemotron_h_target_with_gradient_accumulation(tiny_hybrid_dir, demo_data, tmp_path):
     proc = _smoke(_tiny_demo(tiny_hybrid_dir, demo_data, tmp_path / "run", "model=salm_automodel", "dflash=mtp",
-                             "--out", str(tmp_path / "out")), tmp_path)
+                             "trainer.accumulate_grad_batches=2", "--out", str(tmp_path / "out")), tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     report = _report(tmp_path / "out")
     assert report["passed"], report["failed"]
