@@ -31,8 +31,10 @@ DFlash2 trainer core, our Lightning module, FSDP2, export) is the one speech run
     too, and the two sets of weights are compared (exact on CPU). The fit clips gradients and
     validates, and counts each step's host syncs (CUDA's own sync-debug warnings on a GPU).
 (d) **precision**: one step's loss and gradients in FP32 and under BF16 autocast.
-(e) **phases**: the median time of each phase of a step outside Lightning (batch copy, target,
-    draft forward with the loss, backward, optimizer), the device synchronised between them.
+(e) **phases**: the median time of each phase of the fit's steps after the first two (data wait, target,
+    draft forward with the loss, backward, optimizer and the rest), the device synchronised between them.
+    The fit's steps, phases, tokens and host syncs are measured by ``dflash-smoke``'s own callback
+    (:class:`~dflash_train.smoke.meter.SmokeMeter`), which ``dflash-smoke`` runs on the user's recipe.
 (f) **memory**: peak allocated and reserved memory of a step at 128, 512 and 1024 anchors.
 (g) **shape sweep** (GPU): 20 batch shapes through the compiled flex step in both grad modes; the
     compile cache entries per compiled function.
@@ -49,7 +51,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -66,7 +67,7 @@ from dflash_train.draft.attention import compiled_entries  # noqa: E402
 from dflash_train.draft.export import full_state_dict, verify_export, write_export  # noqa: E402
 from dflash_train.target.causal_lm import CausalLMTarget  # noqa: E402
 from dflash_train.target.taps import derive_target_layer_ids  # noqa: E402
-from dflash_train.testing.host_syncs import HostSyncCounter  # noqa: E402
+from dflash_train.smoke.meter import PHASES, SmokeMeter  # noqa: E402
 from dflash_train.training.module import DFlashDraftModule, ModuleSettings, OptimSettings  # noqa: E402
 from dflash_train.variants import DFlash2Config  # noqa: E402
 
@@ -183,58 +184,6 @@ class RandomTextData(L.LightningDataModule):
         return _loader(self._batches(seed=2, count=2))
 
 
-class StepMeter(L.Callback):
-    """Wall time of every training step (device-synchronised), its tokens, and its host syncs.
-
-    Query tokens come from ``train/valid_blocks``, logged (per-step mean) on log steps for the steps
-    since the previous one. Syncs: on CUDA, the warnings of ``torch.cuda.set_sync_debug_mode`` (every
-    synchronising CUDA call, the driver's own count); on CPU, :class:`HostSyncCounter`.
-    """
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.tokens: list[int] = []
-        self.query_tokens: list[float] = []
-        self.row_lengths: list[float] = []
-        self.syncs: list[tuple[bool, int, list[str]]] = []  # (a log step, syncs, where)
-        self._unlogged = 0
-
-    def _sync(self, module) -> None:
-        if module.device.type == "cuda":
-            torch.cuda.synchronize(module.device)
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        self._sync(module)
-        self._logs = trainer._logger_connector.should_update_logs or trainer.global_step + 1 >= trainer.max_steps
-        if module.device.type == "cuda":
-            self._caught = warnings.catch_warnings(record=True)
-            self._warnings = self._caught.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-        else:
-            self._counter = HostSyncCounter().__enter__()
-        self._started = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if module.device.type == "cuda":
-            torch.cuda.set_sync_debug_mode(0)
-            self._caught.__exit__(None, None, None)
-            found = [str(w.message).splitlines()[0] for w in self._warnings if "synchroniz" in str(w.message)]
-        else:
-            self._counter.__exit__(None, None, None)
-            found = list(self._counter.sites.elements())
-        self._sync(module)
-        self.times.append(time.perf_counter() - self._started)
-        self.syncs.append((self._logs, len(found), found))
-        self.tokens.append(int(batch.lengths.sum()))
-        self.row_lengths.append(float(batch.lengths.float().mean()))
-        self._unlogged += 1
-        if self._logs:
-            blocks = float(trainer.callback_metrics.get("train/valid_blocks", 0.0))
-            self.query_tokens += [blocks * module.spec.cfg.block_size] * self._unlogged
-            self._unlogged = 0
-
-
 EMBEDDING_TABLES = ("embed_tokens", "codebook")  # looked up, not multiplied: no FLOPs (DFlash2's selector codebooks)
 
 
@@ -293,41 +242,6 @@ def _autocast(device: torch.device):
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def phase_times(sizes: Sizes, target: CausalLMTarget, device: torch.device, steps: int = 8) -> dict:
-    """Median seconds of each phase of a training step, the device synchronised between phases: the batch's
-    copy to the device (pinned, non-blocking), the target (splice, taps, argmax labels), the draft forward with
-    the loss, the backward, the optimizer step. Outside Lightning (its overhead is step_time_median − Σ)."""
-    module = _bare_module(sizes, target, device)
-    optimizer = torch.optim.AdamW(module.trainable_parameters(), lr=3e-4, fused=True)
-    generator = torch.Generator().manual_seed(5)
-    phases: dict[str, list[float]] = {"copy": [], "target": [], "draft_forward": [], "backward": [], "optimizer": []}
-    for step in range(steps + 2):
-        batch = text_batch(sizes, step, generator)
-        batch = batch.pin_memory() if device.type == "cuda" else batch
-        marks = [time.perf_counter()]
-
-        def mark():
-            _synchronize(device)
-            marks.append(time.perf_counter())
-
-        on_device = batch.to(device)
-        mark()
-        with _autocast(device):
-            inputs = module.prepare(on_device)
-            mark()
-            metrics = module.run_core(inputs, rng_key=step)
-            mark()
-        (metrics.loss * metrics.loss_weight).backward()
-        mark()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        mark()
-        if step >= 2:  # the first steps compile
-            for name, start, end in zip(phases, marks, marks[1:]):
-                phases[name].append(end - start)
-    return {name: statistics.median(times) for name, times in phases.items()}
 
 
 def anchor_memory(sizes: Sizes, target: CausalLMTarget, device: torch.device) -> dict:
@@ -442,7 +356,7 @@ def fit_and_resume(sizes: Sizes, target: CausalLMTarget, device: torch.device, w
     import torch._dynamo.utils as dynamo_utils
 
     dynamo_utils.counters.clear()
-    meter = StepMeter()
+    meter = SmokeMeter(run=None, count_syncs=True)  # dflash-smoke's measurement of a fit
     module = _module(sizes, target, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -466,26 +380,29 @@ def fit_and_resume(sizes: Sizes, target: CausalLMTarget, device: torch.device, w
     _trainer(sizes, device, work / "straight", sizes.steps + 2, []).fit(straight, datamodule=RandomTextData(sizes))
     resumed_state, straight_state = full_state_dict(resumed.draft), full_state_dict(straight.draft)
     resume_diff = max((resumed_state[k].float() - straight_state[k].float()).abs().max().item() for k in straight_state)
-    between = [count for logs, count, _ in meter.syncs[1:] if not logs]  # the first step also checks shapes once
-    at_log = [count for logs, count, _ in meter.syncs[1:] if logs]
-    sync_sites = sorted({site for _, _, found in meter.syncs[1:] for site in found})
+    record = meter.record
+    times = [sum(phases.values()) - phases["data_wait"] for phases in record.phases]
+    logs = [step % sizes.log_every == 0 or step >= sizes.steps for step in record.steps]  # Lightning's log steps
+    between = [count for log, count in zip(logs[1:], record.syncs[1:]) if not log]  # the first step checks shapes once
+    at_log = [count for log, count in zip(logs[1:], record.syncs[1:]) if log]
 
     p_target = count_parameters(target.causal_lm, skip=("embed_tokens", "lm_head"))
     p_draft = count_parameters(module.draft)
     warm = slice(2, None)  # the first steps compile
-    times = meter.times[warm] or meter.times
     flops = [step_flops(sizes, p_target, p_draft, t, q, c)
-             for t, q, c in zip(meter.tokens[warm], meter.query_tokens[warm], meter.row_lengths[warm])]
-    median_time = statistics.median(times)
+             for t, q, c in zip(record.tokens[warm], record.query_tokens[warm], record.row_lengths[warm])]
+    median_time = statistics.median(times[warm] or times)
+    phases = {name: statistics.median(p[name] for p in record.phases[warm] or record.phases) for name in PHASES}
     return {
         "steps": trainer.global_step,
         "step_time_median_s": median_time,
-        "step_times_s": meter.times,
+        "step_times_s": times,
+        "phases_s": phases,
         "peak_memory_gib": peak,
         "compiled_graphs": graphs,
         "params_target_non_embedding": p_target,
         "params_draft_non_embedding": p_draft,
-        "mfu": statistics.median(f / t for f, t in zip(flops, times)) / PEAK_BF16_FLOPS if device.type == "cuda" else None,
+        "mfu": statistics.median(f / t for f, t in zip(flops, times[warm])) / PEAK_BF16_FLOPS if device.type == "cuda" else None,
         "export_tensors_verified": tensors,
         "resumed_to_step": again.global_step,
         "resume_weights_max_abs_diff": resume_diff,
@@ -494,7 +411,7 @@ def fit_and_resume(sizes: Sizes, target: CausalLMTarget, device: torch.device, w
         "grad_norm_last": grad_norm,
         "host_syncs_between_log_steps_max": max(between) if between else None,
         "host_syncs_at_log_steps_max": max(at_log) if at_log else None,
-        "host_sync_sites": sync_sites,
+        "host_sync_sites": record.sync_sites,
     }
 
 
@@ -522,11 +439,11 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "sizes": asdict(sizes)}
     report["backend_agreement"] = backend_agreement(sizes, target, device)
     report["precision"] = precision_agreement(sizes, target, device)
-    report["phases_s"] = phase_times(sizes, target, device)
     report["memory_by_anchors"] = anchor_memory(sizes, target, device)
     report["shape_sweep"] = shape_sweep(sizes, target, device)
     with tempfile.TemporaryDirectory() as work:
         report["fit"] = fit_and_resume(sizes, target, device, Path(work))
+    report["phases_s"] = report["fit"].pop("phases_s")
     report["wall_s"] = time.perf_counter() - started
     report["imported_distributions"] = imported_distributions()
     report["checks"] = checks(report, sizes, device)
@@ -567,8 +484,7 @@ def markdown(report: dict) -> str:
     rows = [
         ("device", report["device"]),
         ("step time (median, s)", fmt(fit["step_time_median_s"])),
-        ("phases (s): copy / target / draft fwd / backward / optimizer",
-         " / ".join(fmt(phases[k]) for k in ("copy", "target", "draft_forward", "backward", "optimizer"))),
+        ("phases (s): " + " / ".join(PHASES), " / ".join(fmt(phases[k]) for k in PHASES)),
         ("MFU", fmt(fit["mfu"], ".1%") if fit["mfu"] is not None else "—"),
         ("peak allocated / reserved GiB by anchors", "; ".join(
             f"{a}: {fmt(m['peak_allocated_gib'])} / {fmt(m['peak_reserved_gib'])}"

@@ -29,7 +29,7 @@ def test_gpu_check_cpu_smoke_fits_exports_and_resumes(tmp_path):
     assert report["checks"] and all(report["checks"].values()), report["checks"]
     assert fit["resume_weights_max_abs_diff"] == 0.0 and fit["validation_loss"] is not None
     assert fit["host_syncs_between_log_steps_max"] <= 3 and fit["gradient_clip_val"] == 1.0
-    assert set(report["phases_s"]) == {"copy", "target", "draft_forward", "backward", "optimizer"}
+    assert set(report["phases_s"]) == {"data_wait", "target", "draft_forward", "backward", "optimizer"}  # dflash-smoke's
     assert all(entry["blocks"] > 0 for entry in report["memory_by_anchors"].values())
     assert out.with_suffix(".md").read_text().startswith("| figure | value |")
 

@@ -92,9 +92,10 @@ class FitRecord:
 
 
 def _target_fingerprint(target: torch.nn.Module) -> torch.Tensor:
-    """One float64 sum and sum of squares per target tensor: any change to a weight moves it."""
-    values = [torch.stack([t.double().sum(), t.double().pow(2).sum()]) for t in target.state_dict().values()
-              if t.is_floating_point()]
+    """Per target tensor its sum and its sum of magnitudes, accumulated in float64 (no float64 copy of the tensor):
+    a change to a weight moves them."""
+    values = [torch.stack([t.sum(dtype=torch.float64), t.abs().sum(dtype=torch.float64)])
+              for t in target.state_dict().values() if t.is_floating_point()]
     return torch.stack(values).cpu() if values else torch.zeros(0)
 
 
