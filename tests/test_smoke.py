@@ -169,3 +169,22 @@ def test_the_plan_stands_beside_the_figures_on_a_gpu_it_knows(tiny_salm_dir, tmp
     backward = f"30.0 ms (plan {1000 * plan['backward']:.1f} ms, measured/plan {0.03 / plan['backward']:.2f})"
     assert f"| step time: backward | {backward} |" in text
     assert "measured/plan" in text.split("| MFU |")[1].splitlines()[0]
+
+
+def test_a_failed_fit_fails_the_items_it_feeds_and_skips_the_fits_after_it(tmp_path):
+    """A fit that raised (out of memory, a bad batch) is evidence, not a crash of the smoke: the fits that continue it
+    do not run, and the steps, resume and export items fail naming why."""
+    from dflash_train.smoke.checklist import FitRun, export_item, resume_item, steps_item
+    from dflash_train.smoke.meter import FitRecord, SmokeMeter
+    from dflash_train.smoke.run import SmokeRequest, _fit
+
+    straight = FitRun("straight", tmp_path / "straight", FitRecord(), STEPS, error="OutOfMemoryError: CUDA out of memory")
+    request = SmokeRequest("demo", steps=STEPS)
+    stopped = _fit(request, "stopped", tmp_path / "resumed", False, SmokeMeter(None), after=straight)
+    resumed = _fit(request, "resumed", tmp_path / "resumed", True, SmokeMeter(None), after=stopped)
+    assert (stopped.error, resumed.error) == ("not run: the straight fit failed", "not run: the stopped fit failed")
+    steps = steps_item([straight, stopped, resumed])
+    assert not steps.passed and "failed: OutOfMemoryError" in steps.evidence
+    resume = resume_item(None, resumed, straight, exact=True)
+    assert not resume.passed and "not run: the stopped fit failed" in resume.evidence
+    assert not export_item(resumed).passed and not (tmp_path / "resumed").exists()

@@ -105,13 +105,18 @@ class StopAt(L.Callback):
             trainer.should_stop = True
 
 
-def _fit(request: SmokeRequest, name: str, run_dir: Path, resume: bool, meter: SmokeMeter, *extra: L.Callback) -> FitRun:
+def _fit(request: SmokeRequest, name: str, run_dir: Path, resume: bool, meter: SmokeMeter, *extra: L.Callback,
+         after: Optional[FitRun] = None) -> FitRun:
+    """One fit of the recipe into ``run_dir``; not run (and failed) when the fit it continues, ``after``, failed."""
     from dflash_train.training.recipe import train
 
+    fit = FitRun(name, run_dir, meter.record, request.steps)
+    if after is not None and after.error is not None:
+        fit.error = f"not run: the {after.name} fit failed"
+        return fit
     validated = validate_config(compose_config(request.config_name, phase_overrides(request, run_dir, resume),
                                                request.config_dir))
     meter.run = validated.run
-    fit = FitRun(name, run_dir, meter.record, request.steps)
     try:
         train(validated, callbacks=(meter, *extra))
     except Exception as err:  # noqa: BLE001 - a failing fit is the checklist's evidence (a missing shard, ...)
@@ -176,7 +181,7 @@ def run_smoke(plan: SmokePlan) -> int:
         shards.append(checkpoint_shards(last, world))
     half = max(1, request.steps // 2)
     stopped_meter = SmokeMeter(user.run, count_syncs=True, faults=faults)
-    stopped = _fit(request, "stopped", out / "resumed", False, stopped_meter, StopAt(half))
+    stopped = _fit(request, "stopped", out / "resumed", False, stopped_meter, StopAt(half), after=straight)
     stopped.expected_steps = half
     saved = None
     if _rank() == 0:
@@ -184,7 +189,7 @@ def run_smoke(plan: SmokePlan) -> int:
         shards.append(checkpoint_shards(checkpoint, world))
         saved = saved_state(checkpoint)
     resumed_meter = SmokeMeter(user.run, faults=faults, verify_export=True, resumed=True)
-    resumed = _fit(request, "resumed", out / "resumed", True, resumed_meter)
+    resumed = _fit(request, "resumed", out / "resumed", True, resumed_meter, after=stopped)
     if _rank() != 0:
         return 0
     fits = [straight, stopped, resumed]
