@@ -63,6 +63,7 @@ class Shards:
 
     @property
     def missing(self) -> list[str]:
+        """The expected files that are not there."""
         return [name for name in self.expected if name not in self.present]
 
 
@@ -91,6 +92,7 @@ def _names(names: list[str], limit: int = 6) -> str:
 
 
 def finite_item(fits: list[FitRun]) -> Item:
+    """Every loss and every backward's draft gradients finite, on every rank of every fit."""
     counts = [r for fit in fits for r in fit.record.per_rank]
     losses, bad_losses = sum(r["losses"] for r in counts), sum(r["losses_nonfinite"] for r in counts)
     backwards, bad_grads = sum(r["backwards"] for r in counts), sum(r["backwards_with_nonfinite_grads"] for r in counts)
@@ -101,6 +103,8 @@ def finite_item(fits: list[FitRun]) -> Item:
 
 
 def trainable_item(fits: list[FitRun]) -> Item:
+    """The optimizer holds exactly the draft's trainable tensors; no target parameter trains; the target's weights
+    end as they began."""
     rec = fits[0].record
     target_trainable = sorted({n for fit in fits for r in fit.record.per_rank for n in r["target_trainable"]})
     changed = [fit.name for fit in fits if any(r["target_unchanged"] is False for r in fit.record.per_rank)]
@@ -114,6 +118,7 @@ def trainable_item(fits: list[FitRun]) -> Item:
 
 
 def steps_item(fits: list[FitRun]) -> Item:
+    """Each fit's step goes up by one per optimizer step from where it started to its budget."""
     lines, passed = [], True
     for fit in fits:
         steps = fit.record.steps
@@ -128,6 +133,7 @@ def steps_item(fits: list[FitRun]) -> Item:
 
 
 def skips_item(fits: list[FitRun]) -> Item:
+    """The uninterrupted fit's skips by reason; fails only when every step was skipped for want of an anchor."""
     rec = fits[0].record
     reasons = {k: v for k, v in rec.skips.items() if v}
     steps = len(set(rec.steps))
@@ -139,6 +145,7 @@ def skips_item(fits: list[FitRun]) -> Item:
 
 
 def validation_item(fits: list[FitRun]) -> Item:
+    """Validation ran and each of its passes had valid blocks (an all-skipped pass logs val_acc=0: no evidence)."""
     blocks = fits[0].record.validations
     return Item("validation_valid_anchors", "validation saw valid anchors", bool(blocks) and all(b > 0 for b in blocks),
                 f"{len(blocks)} validation(s) in the uninterrupted fit, valid blocks (all ranks): "
@@ -146,6 +153,7 @@ def validation_item(fits: list[FitRun]) -> Item:
 
 
 def shards_item(shards: list[Shards], world_size: int) -> Item:
+    """Every file each saved checkpoint needs at this world size is there."""
     missing = {str(s.checkpoint): s.missing for s in shards if s.missing}
     evidence = "; ".join(f"{s.checkpoint}: {len(s.expected) - len(s.missing)}/{len(s.expected)} files"
                          + (f", missing {s.missing}" if s.missing else "") for s in shards)
@@ -154,6 +162,8 @@ def shards_item(shards: list[Shards], world_size: int) -> Item:
 
 
 def resume_item(saved: Optional[StartState], resumed: FitRun, straight: FitRun, exact: bool) -> Item:
+    """The resumed fit starts at the saved step, LRs and scheduler states and ends with the uninterrupted fit's
+    weights (bit-equal when ``exact``)."""
     if resumed.error is not None or resumed.record.start is None:
         return Item("exact_resume", "resumed step, LR, scheduler and weights", False,
                     f"the resumed fit did not run: {resumed.error}")
@@ -173,6 +183,7 @@ def resume_item(saved: Optional[StartState], resumed: FitRun, straight: FitRun, 
 
 
 def export_item(final: FitRun) -> Item:
+    """The final export reloaded strictly with the variant's class, every tensor equal to the trained weights."""
     rec = final.record
     passed = rec.export_error is None and bool(rec.export_tensors)
     evidence = (f"{final.run_dir / 'export'}: " + (f"reloaded strictly, {rec.export_tensors} tensors equal the trained weights"

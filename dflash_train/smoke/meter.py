@@ -126,6 +126,7 @@ class SyncCount:
             self._counter.pause()
 
     def resume(self) -> None:
+        """Count again."""
         if self.device.type == "cuda":
             torch.cuda.set_sync_debug_mode("warn")
         else:
