@@ -57,6 +57,7 @@ class Runs:
 
     def __init__(self, root: Path, salm_dir, demo_data, variant: str, launches=LAUNCHES):
         self.root, self.common, self.launches = root, _common(salm_dir, demo_data, variant), launches
+        self.monitor = MONITOR[variant]
         self.straight = root / "straight"
         self.exp_dir = root / "exp"
         self.resumed = self.exp_dir / "resumed"
@@ -108,10 +109,10 @@ def _check_resumed_equals_straight(runs: Runs) -> None:
     info, straight_info = _training_info(runs.resumed), _training_info(runs.straight)
     for key in ("global_step", "trained_steps", "val_step", "val_accept_len", "val_serving_mal", "exported_checkpoint"):
         assert info[key] == straight_info[key], key
-    _check_the_export_is_the_best_validated_step(runs.straight, straight)
-    _check_the_export_is_the_best_validated_step(runs.resumed, resumed)
-    assert (f"export: {runs.resumed / 'export'} (the best validated checkpoint by {info['exported_checkpoint']['monitor']}"
-            f" (max): step {info['global_step']}, ") in runs.resumed_logs[-1]
+    _check_the_export_is_the_best_validated_step(runs.straight, straight, runs.monitor)
+    _check_the_export_is_the_best_validated_step(runs.resumed, resumed, runs.monitor)
+    assert (f"export: {runs.resumed / 'export'} (the best validated checkpoint by {runs.monitor} (max): step "
+            f"{info['global_step']}, ") in runs.resumed_logs[-1]
     # what a monitor may name (checked before any weight loads) is what validation logs
     run = read_resolved_config(runs.straight / "resolved_config.yaml")
     assert sorted(validation_metrics(run)) == sorted(name for name in straight.series if name.startswith("val"))
@@ -146,21 +147,22 @@ def _export_holds(export_dir: Path, variant: str, state: dict) -> bool:
     return all(torch.equal(exported[name], tensor) for name, tensor in expected.items())
 
 
-def _check_the_export_is_the_best_validated_step(run_dir: Path, history) -> None:
-    """The export holds the step that validated best on the monitored metric (the earliest of equals), which is
-    not the last one; it records that step's logged figures, and its weights are that checkpoint's draft."""
-    info = _training_info(run_dir)
-    chosen = info["exported_checkpoint"]
-    curve = history.get(chosen["monitor"])
+def _check_the_export_is_the_best_validated_step(run_dir: Path, history, monitor: str) -> None:
+    """The export holds the step that validated best on ``monitor`` (the earliest of equals), which is not the
+    last one; it records that step's logged figures, and its weights are that checkpoint's draft."""
+    curve = history.get(monitor)
     at = max(range(len(curve.steps)), key=lambda i: (curve.values[i], -i))
     best = curve.steps[at]
-    assert chosen["choice"] == "best" and chosen["mode"] == "max" and chosen["score"] == curve.values[at]
     assert best < STEPS and curve.values[-1] < curve.values[at], f"the last step validated best: {curve}"
-    assert info["trained_steps"] == STEPS and info["global_step"] == info["val_step"] == best
+    info = _training_info(run_dir)
+    chosen = info["exported_checkpoint"]
+    assert chosen == {"choice": "best", "monitor": monitor, "mode": "max", "score": curve.values[at],
+                      "checkpoint": chosen.get("checkpoint")}, chosen
+    assert (info["trained_steps"], info["global_step"], info["val_step"]) == (STEPS, best, best), info
     assert info["val_accept_len"] == history.get("val/accept_len").values[at]
     assert info["val_serving_mal"] == history.get("val/serving_mal").values[at]
     checkpoint = run_dir / "checkpoints" / chosen["checkpoint"]
-    assert chosen["checkpoint"].startswith(f"best-step={best}-")
+    assert chosen["checkpoint"].startswith(f"best-step={best}-"), chosen
     variant = json.loads((run_dir / "run_info.json").read_text())["variant"]
     assert _export_holds(run_dir / "export", variant, _draft_state(checkpoint))
     assert not _export_holds(run_dir / "export", variant, _draft_state(run_dir / "checkpoints" / "last.ckpt"))
