@@ -105,12 +105,13 @@ def baseline_of(name: str, names) -> str | None:
     return base if base != name and base in names else None
 
 
-def _first_cuts(source: Path, dest: Path, count: int) -> Path:
-    """The first ``count`` records of a cuts file (the labelled training subset)."""
+def _first_cuts(source: Path, dest: Path, count: int, skip: int = 0) -> Path:
+    """The first ``count`` records of a cuts file after its first ``skip`` (the labelled training subset)."""
     import gzip
+    from itertools import islice
 
     with gzip.open(source, "rt") as handle:
-        lines = [line for _, line in zip(range(count), handle)]
+        lines = list(islice(handle, skip, skip + count))
     with gzip.open(dest, "wt") as handle:
         handle.writelines(lines)
     return dest
@@ -128,15 +129,16 @@ def offline_labels(target: Path, cuts: Path, out: Path, max_new_tokens: int) -> 
 
 
 def train_variant(target: Path, name: str, variant: str, label_source: str, train: Path, val: Path, run_dir: Path,
-                  steps: int, seed: int, extra: tuple[str, ...] = ()) -> dict:
-    """Train one draft exactly as ``dflash-train --config-name=demo <overrides>`` would."""
+                  steps: int, seed: int, extra: tuple[str, ...] = (), fresh: bool = True) -> dict:
+    """Train one draft exactly as ``dflash-train --config-name=demo <overrides>`` would; ``fresh=False`` continues
+    the run in ``run_dir`` from its last checkpoint (exact resume) up to ``steps``."""
     from omegaconf import open_dict
 
     from dflash_train.config import validate_config
     from dflash_train.config.compose import compose_config
     from dflash_train.training.recipe import train as run_training
 
-    if run_dir.exists():
+    if fresh and run_dir.exists():
         shutil.rmtree(run_dir)
     overrides = [
         f"dflash={variant}",
@@ -151,6 +153,7 @@ def train_variant(target: Path, name: str, variant: str, label_source: str, trai
         f"trainer.val_check_interval={steps}",
         "trainer.limit_val_batches=4",
         f"exp_manager.explicit_log_dir={run_dir}",
+        f"exp_manager.resume_if_exists={not fresh}",
         *extra,
     ]
     cfg = compose_config("demo", overrides)
