@@ -46,7 +46,13 @@ def plan_run(validated: ValidatedConfig, gpu: str, world_size: int, gpus_per_nod
 
     from dflash_train.target.load import check_target_for_run
 
+    from dflash_train.errors import ConfigError
+    from dflash_train.target.load import is_nemotron_h_speechlm
+
     run, trainer_kwargs = validated
+    if is_nemotron_h_speechlm(run.model.pretrained_name):
+        raise ConfigError(f"model.pretrained_name={run.model.pretrained_name} is a Nemotron-H SpeechLM: dflash-plan "
+                          "builds SALM targets (an HF LLM) only so far; plan a SALM target")
     figures = GPUS[gpu]
     with weights_optional():
         layer_ids = check_target_for_run(run, world_size)

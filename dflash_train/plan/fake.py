@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -78,15 +78,29 @@ def build_salm_from_config(directory: Path, dtype: torch.dtype) -> SALMTarget:
         raise ConfigError(f"model.pretrained_name={directory} has no config.json: point it at a SALM checkpoint directory")
     config = json.loads(config_file.read_text())
     config["pretrained_weights"] = False
-    cwd, default = os.getcwd(), torch.get_default_dtype()
+    cwd = os.getcwd()
     os.chdir(directory)  # the config's relative paths (tokenizer, LLM config) are the checkpoint's
-    torch.set_default_dtype(dtype)  # built in dtype: ``.to`` cannot swap fake parameters
     try:
         salm = SALM(config)
     finally:
         os.chdir(cwd)
-        torch.set_default_dtype(default)
+    _cast_floating(salm, dtype)
     return SALMTarget(salm)
+
+
+def _cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating parameter and buffer in ``dtype``, as the launch loads them (``.to(dtype)`` cannot swap
+    fake parameters in place, so each is replaced; tied tensors stay one tensor)."""
+    cast: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None or not tensor.is_floating_point() or tensor.dtype == dtype:
+                    continue
+                if id(tensor) not in cast:
+                    new = tensor.detach().to(dtype)
+                    cast[id(tensor)] = torch.nn.Parameter(new, requires_grad=False) if table is module._parameters else new
+                table[name] = cast[id(tensor)]
 
 
 @dataclass
@@ -106,6 +120,8 @@ def build_run(run: RunConfig, trainer_kwargs: dict, layer_ids: list[int], mesh, 
     plan runs in (fake, or none for the check against real tensors, which may keep the module's own anchor
     draw: ``worst_anchors=False``)."""
     half = torch.bfloat16 if run.trainer.precision.startswith("bf16") else None
+    # serving validation decodes at validation time, not in the training step the plan measures
+    run = replace(run, dflash=replace(run.dflash, serving_val_samples=0))
     if target is None:
         target = build_salm_from_config(Path(run.model.pretrained_name).expanduser(), half or torch.float32)
     d = run.dflash
