@@ -402,7 +402,8 @@ def fit_and_resume(sizes: Sizes, target: CausalLMTarget, device: torch.device, w
         "compiled_graphs": graphs,
         "params_target_non_embedding": p_target,
         "params_draft_non_embedding": p_draft,
-        "mfu": statistics.median(f / t for f, t in zip(flops, times[warm])) / PEAK_BF16_FLOPS if device.type == "cuda" else None,
+        "mfu": (statistics.median(f / t for f, t in zip(flops, times[warm])) / PEAK_BF16_FLOPS
+                if device.type == "cuda" else None),
         "export_tensors_verified": tensors,
         "resumed_to_step": again.global_step,
         "resume_weights_max_abs_diff": resume_diff,

@@ -26,7 +26,8 @@ def gpu_key(device_name: Optional[str]) -> Optional[str]:
     name = (device_name or "").upper()
     return next((key for key in GPUS if device_name and key.split("-")[0].upper() in name), None)
 
-MFU_FORMULA = ("MFU = (2·P_target·T + 6·P_draft·Q + 4·Q·H·V) / (step time · peak BF16 FLOP/s); T = real positions of "
+MFU_FORMULA = ("MFU = (2·P_target·T + 6·P_draft·Q + 4·Q·H·V) / (step time · peak BF16 FLOP/s); "
+               "T = real positions of "
                "the step's batch on all ranks, Q = draft query positions (logged valid blocks × block size, all ranks), "
                "P without embedding tables and LM head, H hidden size, V vocabulary (the target's LM head on the "
                "draft's outputs, forward and input gradient); the draft's attention over its context is left out")
@@ -111,7 +112,8 @@ def trainable_item(fits: list[FitRun]) -> Item:
     optimizer_ok = all(fit.record.optimizer_matches_draft for fit in fits if fit.record.start is not None)
     passed = bool(rec.draft_trainable) and not target_trainable and not changed and optimizer_ok
     evidence = (f"draft: {len(rec.draft_trainable)} tensors, {rec.draft_trainable_count:,} parameters trainable "
-                f"({_names(rec.draft_trainable)}); optimizer holds exactly them: {optimizer_ok}; target parameters "
+                f"({_names(rec.draft_trainable)}); optimizer holds them (same tensor shapes, no target tensor): "
+                f"{optimizer_ok}; target parameters "
                 f"trainable: {_names(target_trainable) if target_trainable else 'none'}; target weights unchanged by "
                 f"training: {'no, in ' + ', '.join(changed) if changed else 'yes (per-tensor sums, every rank)'}")
     return Item("trainable_parameters", "trainable parameters = the draft's; target frozen and unchanged", passed, evidence)
@@ -168,13 +170,15 @@ def resume_item(saved: Optional[StartState], resumed: FitRun, straight: FitRun, 
         return Item("exact_resume", "resumed step, LR, scheduler and weights", False,
                     f"the resumed fit did not run: {resumed.error}")
     start = resumed.record.start
-    same_state = saved is not None and (start.step, start.lrs, start.schedulers) == (saved.step, saved.lrs, saved.schedulers)
+    same_state = saved is not None and (start.step, start.lrs, start.schedulers) == (saved.step, saved.lrs,
+                                                                                      saved.schedulers)
     a, b = resumed.record.final_state, straight.record.final_state
     same_names = bool(a) and a.keys() == b.keys()
     worst = max(((a[k].float() - b[k].float()).abs().max().item() for k in a), default=math.inf) if same_names else math.inf
     tolerance = 0.0 if exact else 1e-3
     passed = same_state and same_names and worst <= tolerance
-    saved_text = "unreadable" if saved is None else f"step {saved.step}, lr {saved.lrs}, {len(saved.schedulers)} scheduler(s)"
+    saved_text = ("unreadable" if saved is None
+                  else f"step {saved.step}, lr {saved.lrs}, {len(saved.schedulers)} scheduler(s)")
     evidence = (f"saved: {saved_text}; resumed: step {start.step}, lr {start.lrs}, scheduler states "
                 f"{'equal' if saved is not None and start.schedulers == saved.schedulers else 'differ'}; final weights vs "
                 f"the uninterrupted fit at step {straight.expected_steps}: max abs diff {worst:.3g} over {len(a)} tensors "
@@ -186,8 +190,9 @@ def export_item(final: FitRun) -> Item:
     """The final export reloaded strictly with the variant's class, every tensor equal to the trained weights."""
     rec = final.record
     passed = rec.export_error is None and bool(rec.export_tensors)
-    evidence = (f"{final.run_dir / 'export'}: " + (f"reloaded strictly, {rec.export_tensors} tensors equal the trained weights"
-                                                  if passed else f"{rec.export_error or 'no export was written'}"))
+    outcome = (f"reloaded strictly, {rec.export_tensors} tensors equal the trained weights" if passed
+               else rec.export_error or "no export was written")
+    evidence = f"{final.run_dir / 'export'}: {outcome}"
     return Item("export_reload", "export reloads strictly and equals the weights", passed, evidence)
 
 

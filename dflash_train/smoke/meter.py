@@ -192,8 +192,13 @@ class SmokeMeter(L.Callback):
         rec = self.record
         rec.draft_trainable = sorted(n for n, p in pl_module.draft.named_parameters() if p.requires_grad)
         rec.draft_trainable_count = sum(p.numel() for p in pl_module.draft.parameters() if p.requires_grad)
-        optimized = {id(p) for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]}
-        rec.optimizer_matches_draft = optimized == {id(p) for p in pl_module.trainable_parameters()}
+        optimized = [p for opt in trainer.optimizers for group in opt.param_groups for p in group["params"]]
+        # by shape (a DTensor's is the whole tensor's): FSDP2 swaps the root's registered parameters between its
+        # sharded and gathered tensors, so identities differ after a forward although the optimizer holds the draft's
+        shapes = sorted(tuple(p.shape) for p in optimized)
+        target_ids = {id(p) for p in pl_module.target.parameters()}
+        rec.optimizer_matches_draft = (shapes == sorted(tuple(p.shape) for p in pl_module.trainable_parameters())
+                                       and not target_ids & {id(p) for p in optimized})
         rec.target_trainable = sorted(n for n, p in pl_module.target.named_parameters() if p.requires_grad)
         self._fingerprint = _target_fingerprint(pl_module.target)
         target = pl_module.target
@@ -219,8 +224,9 @@ class SmokeMeter(L.Callback):
                      **{k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("data/skipped/")}}
         rec.compile_entries = sum(compiled_entries().values()) if pl_module.device.type == "cuda" else 0
         rec.memory = _gathered(_memory(pl_module.device))
-        rec.per_rank = _gathered({"losses_nonfinite": rec.losses_nonfinite, "losses": rec.losses_finite + rec.losses_nonfinite,
-                                  "backwards": rec.backwards, "backwards_with_nonfinite_grads": rec.backwards_with_nonfinite_grads,
+        rec.per_rank = _gathered({"losses_nonfinite": rec.losses_nonfinite,
+                                  "losses": rec.losses_finite + rec.losses_nonfinite, "backwards": rec.backwards,
+                                  "backwards_with_nonfinite_grads": rec.backwards_with_nonfinite_grads,
                                   "target_trainable": rec.target_trainable, "target_unchanged": rec.target_unchanged})
         state = full_state_dict(pl_module.draft)  # a collective under FSDP2: every rank calls it
         if trainer.is_global_zero:
@@ -301,7 +307,8 @@ class SmokeMeter(L.Callback):
         forward, backward = marks.get("draft_forward", target), marks.get("backward", marks.get("draft_forward", target))
         own = self._overhead
         self.record.phases.append({"data_wait": marks["data_wait"], "target": target - start,
-                                   "draft_forward": forward - target, "backward": backward - forward - own.get("backward", 0.0),
+                                   "draft_forward": forward - target,
+                                   "backward": backward - forward - own.get("backward", 0.0),
                                    "optimizer": end - backward - own.get("optimizer", 0.0)})
         self.record.steps.append(int(trainer.global_step))
         blocks = trainer.callback_metrics.get("train/valid_blocks")

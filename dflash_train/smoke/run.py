@@ -231,7 +231,8 @@ def plan_prediction(user: ValidatedConfig, world_size: int, device_name: Optiona
 
     key = gpu_key(device_name)
     if key is None:
-        return {}, f"dflash-plan's predictions: not shown (the planner bounds GPU runs; this one ran on {device_name or 'CPU'})"
+        where = device_name or "CPU"
+        return {}, f"dflash-plan's predictions: not shown (the planner bounds GPU runs; this one ran on {where})"
     try:
         plan = plan_run(user, key, world_size, gpus_per_node=max(1, torch.cuda.device_count()))
     except Exception as err:  # noqa: BLE001 - the smoke's verdict stands without the plan beside it
