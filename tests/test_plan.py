@@ -150,3 +150,26 @@ def test_bad_input_is_one_line_before_any_build(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dflash-plan: error:") and message in err[0]
+
+
+def test_fit_advice_names_the_first_value_of_each_knob_that_fits(base_plan):
+    """A plan over the GPU's memory gets, per knob, the first halving that fits (planned by ``plan_with``);
+    a fitting plan gets none."""
+    from dataclasses import replace
+
+    from dflash_train.plan.advice import fit_advice
+
+    over = replace(base_plan, gpu_figures={**base_plan.gpu_figures, "memory_bytes": base_plan.needed_bytes - 1},
+                   knobs={**base_plan.knobs, "num_anchors": 512, "batch_tokens": 4096, "gradient_checkpointing": False})
+    fitting = {"dflash.num_anchors=128", "data.train_ds.batch_tokens=2048", "dflash.gradient_checkpointing=true"}
+    tried = []
+
+    def plan_with(override):
+        tried.append(override)
+        return base_plan if override in fitting else over
+
+    advice = fit_advice(over, plan_with)
+    assert [line.split(" ")[0] for line in advice] == ["dflash.num_anchors=128", "data.train_ds.batch_tokens=2048",
+                                                       "dflash.gradient_checkpointing=true"]
+    assert "dflash.num_anchors=64" not in tried  # a knob stops at its first fitting value
+    assert fit_advice(base_plan, plan_with) == []

@@ -61,6 +61,7 @@ def plan_command(args: argparse.Namespace) -> int:
     from dflash_train.config.compose import compose_config
     from dflash_train.config.validate import check_override_key
     from dflash_train.plan import plan_run, weights_optional
+    from dflash_train.plan.advice import fit_advice
 
     _check_arguments(args)
     for override in args.overrides:
@@ -80,6 +81,12 @@ def plan_command(args: argparse.Namespace) -> int:
         print(f"dflash-plan: {finished.report()[0]} (nothing left to train: no plan)")
         return 0
     plan = plan_run(validate_config(cfg), args.gpu, world, args.gpus_per_node)
+
+    def plan_with(override: str):
+        changed = compose_config(args.config_name, [*overrides, override], args.config_dir)
+        return plan_run(validate_config(changed), args.gpu, world, args.gpus_per_node)
+
+    plan.advice = fit_advice(plan, plan_with)
     print("\n".join(plan.table()))
     if args.json is not None:
         args.json.write_text(json.dumps(plan.to_json(), indent=2) + "\n")

@@ -1,11 +1,12 @@
 """FLOPs, memory traffic and collective bytes of the step by phase, and the roofline bound on a GPU.
 
 Every operator the step runs is costed as it runs (on fake or real tensors alike): its FLOPs by
-torch's own formulas (``torch.utils.flop_counter``; matmuls, convolutions, attention), the bytes it
-reads and writes (its tensor inputs and outputs: no fusion assumed, so an upper bound on traffic),
-and, for a collective, the bytes it moves per rank. The roofline time of an operator is
-``max(FLOPs / peak FLOP/s, bytes / bandwidth)``; the sum is a lower bound of the step's compute time
-on that GPU, since a real kernel only ever reaches less than peak.
+torch's own formulas (``torch.utils.flop_counter``; matmuls, convolutions, attention), the bytes a
+FLOP-bearing operator must read and write (its operands and result, once each; elementwise operators
+may be fused into them, so their traffic is not counted), and, for a collective, the bytes it moves
+per rank. The roofline time of an operator is ``max(FLOPs / peak FLOP/s, bytes / bandwidth)``; the
+sum is a lower bound of the step's compute time on that GPU: a real kernel only reaches less than
+peak, and the elementwise work left out only adds time.
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ class StepCost(TorchDispatchMode):
         formula = flop_registry.get(func._overloadpacket)
         if flops is None:
             flops = 0 if formula is None else formula(*args, **kwargs, out_val=out)
-        moved = _bytes(tree_flatten((args, kwargs))[0]) + _bytes(tree_flatten(out)[0])
+        # an operator with FLOPs (matmul, attention) reads its operands and writes its result at least once; an
+        # elementwise one may be fused away, so only the former's bytes enter the bound
+        moved = _bytes(tree_flatten((args, kwargs))[0]) + _bytes(tree_flatten(out)[0]) if flops else 0
         self.flops[self.phase] += flops
         self.bytes[self.phase] += moved
         self.seconds[self.phase] += max(flops / self.gpu.bf16_flops, moved / self.gpu.hbm_bytes_per_s)
