@@ -136,12 +136,17 @@ def test_two_torchrun_processes_under_fsdp2(tiny_salm_dir, demo_data, tmp_path):
     assert "(world size 2)" in _items(report)["checkpoint_shards"]["title"]
 
 
-def test_mtp_heads_on_a_nemotron_h_target_with_gradient_accumulation(tiny_hybrid_dir, demo_data, tmp_path):
+def test_mtp_heads_on_a_nemotron_h_target_with_accumulation_and_a_schedule(tiny_hybrid_dir, demo_data, tmp_path):
     proc = _smoke(_tiny_demo(tiny_hybrid_dir, demo_data, tmp_path / "run", "model=salm_automodel", "dflash=mtp",
-                             "trainer.accumulate_grad_batches=2", "--out", str(tmp_path / "out")), tmp_path)
+                             "trainer.accumulate_grad_batches=2",
+                             "dflash.lr_scheduler={_target_:torch.optim.lr_scheduler.StepLR,step_size:1,gamma:0.5}",
+                             "--out", str(tmp_path / "out")), tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     report = _report(tmp_path / "out")
     assert report["passed"], report["failed"]
+    resume = _items(report)["exact_resume"]["evidence"]
+    # the learning rate halved at each of the two steps before the stop, restored with its scheduler
+    assert "saved: step 2, lr [0.0005], 1 scheduler(s); resumed: step 2, lr [0.0005], scheduler states equal" in resume
     assert "eh_proj.weight" in _items(report)["trainable_parameters"]["evidence"]  # the MTP step, NeMo's layout
 
 
