@@ -49,10 +49,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     configure_console()
 
     def smoke() -> int:
-        from dflash_train.cli.train import _check_override_keys, check_before_loading
+        from dflash_train.cli.train import check_override_keys, check_before_loading
         from dflash_train.smoke.run import SmokeRequest, plan_smoke, run_smoke
 
-        _check_override_keys(args.overrides)  # a typo'd key: named with its nearest valid key, as dflash-train does
+        check_override_keys(args.overrides)  # a typo'd key: named with its nearest valid key, as dflash-train does
         request = SmokeRequest(args.config_name, tuple(args.overrides), args.config_dir, args.steps, args.out)
         plan = plan_smoke(request)
         check_before_loading(plan.first_fit())  # every check dflash-train makes before the target's weights load

@@ -148,7 +148,7 @@ def _user_configs_first(argv: list[str], args: argparse.Namespace) -> list[str]:
             *argv[at:]]
 
 
-def _check_override_keys(overrides: list[str]) -> None:
+def check_override_keys(overrides: list[str]) -> None:
     """Each plain ``key=value`` override of a job key against the schema (:func:`check_override_key`).
     ``+key=value`` adds a key, which the composed config's check names; a malformed override is Hydra's to refuse."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -171,7 +171,7 @@ def main() -> None:
     args = _hydra_arguments(sys.argv[1:])
     if args is not None:
         with _one_line_errors():
-            _check_override_keys(args.overrides)
+            check_override_keys(args.overrides)
         sys.argv[1:] = _user_configs_first(sys.argv[1:], args)
     _hydra_main()
     if args is not None and args.cfg in ("job", "all"):
