@@ -237,7 +237,7 @@ def figures(straight: FitRecord, synced: FitRecord, params: dict[str, int], worl
     if peak is None:
         note += f"; not computed: no BF16 peak for {device_name or 'a CPU'}"
     elif queries:
-        q = statistics.median(queries) * world_size
+        q = statistics.median(queries)  # train/valid_blocks is summed over the ranks already
         flops = 2 * params["target"] * tokens + 6 * params["draft"] * q + 4 * q * params["hidden"] * params["vocab"]
         mfu = flops / (step * peak * world_size)
         note += f"; peak {peak:.3g} FLOP/s per GPU × {world_size}"
