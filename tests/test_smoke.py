@@ -195,3 +195,24 @@ def test_a_failed_fit_fails_the_items_it_feeds_and_skips_the_fits_after_it(tmp_p
     resume = resume_item(None, resumed, straight, exact=True)
     assert not resume.passed and "not run: the stopped fit failed" in resume.evidence
     assert not export_item(resumed).passed and not (tmp_path / "resumed").exists()
+
+
+def test_figures_after_warm_up_and_mfu_by_its_formula():
+    """Medians after the first fifth of the steps, the data wait after a validation left out, and MFU on a GPU the
+    planner's table holds: T from rank 0's batch times the world size, Q from valid blocks (summed over ranks)."""
+    from dflash_train.plan import GPUS
+    from dflash_train.smoke.checklist import figures
+    from dflash_train.smoke.meter import FitRecord
+
+    phases = {"data_wait": 0.01, "target": 0.02, "draft_forward": 0.03, "backward": 0.04, "optimizer": 0.01}
+    record = FitRecord(steps=list(range(1, 11)), phases=[{**phases, "data_wait": 5.0}] + [phases] * 9,
+                       after_validation=[True] + [False] * 8 + [True], tokens=[1000] * 10, query_tokens=[800.0] * 10,
+                       row_lengths=[100.0] * 10, syncs=[9, 3, 4, 3, 3, 3, 3, 3, 3, 3], memory=[{}, {}])
+    params = {"target": 10**6, "draft": 10**5, "hidden": 64, "vocab": 512}
+    figs = figures(record, record, params, 2, "NVIDIA H100 80GB HBM3")
+    assert (figs.warmup_steps, figs.measured_steps) == (2, 8)
+    assert figs.phase_median_s == phases and abs(figs.step_median_s - 0.11) < 1e-12
+    flops = 2 * 10**6 * 2000 + 6 * 10**5 * 800 + 4 * 800 * 64 * 512
+    assert abs(figs.mfu - flops / (0.11 * GPUS["h100"].bf16_flops * 2)) < 1e-15
+    assert abs(figs.tokens_per_s - 2000 / 0.11) < 1e-6 and figs.host_syncs_per_step_max == 4
+    assert figures(record, record, params, 2, None).mfu is None
