@@ -5,6 +5,7 @@
   equal the tensors' own sizes;
 * the target's FLOPs equal the written transformer formula;
 * one knob at a time moves the figures it should, in the right direction and by about the right size;
+* DFlash and MTP plan as DFlash2 does; a run that does not fit gets the knob values that fit;
 * the command plans a checkpoint whose weights file is absent, and refuses bad input in one line.
 
 Every plan runs the tiny SALM (tests/conftest.py) at a small batch: a plan takes a few seconds on CPU.
@@ -117,6 +118,17 @@ def test_one_knob_at_a_time(base_plan, tiny_salm_dir, tmp_path):
     checkpointed = _plan(tiny_salm_dir, tmp_path, "dflash.gradient_checkpointing=true")
     assert checkpointed.memory_peak_bytes["draft_activations"] < 0.8 * base["draft_activations"]
     assert checkpointed.flops["backward"] > base_plan.flops["backward"]  # the forward runs again
+
+
+@pytest.mark.parametrize("variant", ["dflash", "mtp"])
+def test_every_variant_plans(variant, tiny_salm_dir, tmp_path):
+    """DFlash and MTP plan too (DFlash2 is the recipe's default, planned above): their own anchor draws are
+    replaced, the draft's memory and FLOPs are there; MTP's loss is counted with its draft forward."""
+    plan = _plan(tiny_salm_dir, tmp_path, f"dflash={variant}")
+    assert plan.variant == variant
+    assert plan.memory_peak_bytes["draft_params"] > 0 and plan.memory_peak_bytes["draft_activations"] > 0
+    assert plan.flops["draft_forward"] > 0 and plan.flops["backward"] > 0
+    assert (plan.flops.get("loss", 0) > 0) == (variant == "dflash")
 
 
 def test_cli_plans_a_checkpoint_without_its_weights(tiny_salm_dir, tmp_path, capsys):

@@ -4,9 +4,9 @@ tensors, over a fake process group of the run's world size, fed the worst batch 
 Fake tensors carry shapes, dtypes and storages but no data, so memory is accounted as on the device
 and nothing is computed. Three things the real step reads back from its data are given here instead:
 
-* the anchor draw (``_sample_anchor_positions``): the real draw keeps ``min(num_anchors, valid
-  positions)`` per row, a data-dependent count; the worst batch has at least ``num_anchors`` valid
-  positions in every row, so the plan's draw keeps ``num_anchors`` spread over the row;
+* the anchor draw (``_sample_anchor_positions``, MTP's ``sample_anchors``): the real draw keeps
+  ``min(num_anchors, valid positions)`` per row, a data-dependent count; the worst batch has at least
+  ``num_anchors`` valid positions in every row, so the plan's draw keeps ``num_anchors`` spread over it;
 * the perception's first-batch check of its frame counts against the host's (``_frames_checked``):
   the batch's counts are the estimator's own;
 * the batch's host copies (placements, supervised count, documents, anchor runway), which the data
@@ -146,16 +146,20 @@ def build_run(run: RunConfig, trainer_kwargs: dict, layer_ids: list[int], mesh, 
 
 
 def _worst_anchor_draw(module: DFlashDraftModule, num_anchors: int) -> None:
-    """The core draws ``num_anchors`` anchors in every row (the worst case), with no read of the data."""
+    """The core draws ``num_anchors`` anchors in every row (the worst case), with no read of the data: DFlash's
+    and DFlash2's ``_sample_anchor_positions``, MTP's ``sample_anchors``."""
     core = module.core
 
-    def draw(seq_len, loss_mask, device, doc_remaining=None):
-        count = max(1, min(num_anchors, seq_len))
-        anchors = torch.arange(count, device=device) * max(1, seq_len // count)
-        anchors = anchors.expand(loss_mask.shape[0], count).contiguous()
-        return anchors, torch.ones(loss_mask.shape[0], count, dtype=torch.bool, device=device)
+    def spread(rows: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        count = max(1, min(num_anchors, width))
+        anchors = (torch.arange(count, device=device) * max(1, width // count)).expand(rows, count).contiguous()
+        return anchors, torch.ones(rows, count, dtype=torch.bool, device=device)
 
-    core._sample_anchor_positions = draw
+    if hasattr(core, "sample_anchors"):
+        core.sample_anchors = lambda valid, documents=None: spread(valid.shape[0], valid.shape[1], valid.device)
+    else:
+        core._sample_anchor_positions = (
+            lambda seq_len, loss_mask, device, doc_remaining=None: spread(loss_mask.shape[0], seq_len, device))
 
 
 @dataclass(frozen=True)
