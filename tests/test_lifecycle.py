@@ -120,6 +120,8 @@ def _check_resumed_equals_straight(runs: Runs) -> None:
     assert info["start_step"] == runs.launches[-2] == json.loads((runs.resumed / "run_info.json").read_text())["start_step"]
     assert f"steps: {STEPS};" in runs.resumed_logs[-1]
     report = (runs.resumed / "report.md").read_text()
+    assert (f"the weights of step {info['global_step']} (the best validated checkpoint by `{runs.monitor}`, max: "
+            f"{info['exported_checkpoint']['score']:.4f}).") in report
     resumes = ", ".join(str(s) for s in runs.launches[:-1])
     assert f"last logged step {STEPS}; {len(runs.launches)} launches (resumed at step {resumes})" in report
     table = report.split("| step | val loss |")[1].split("\n\n")[0]

@@ -58,6 +58,7 @@ class RunRecord:
     info: dict  # run_info.json (empty when missing)
     export_dir: Optional[Path]  # the final export, when it exists
     export_step: Optional[int]  # the global step the export's weights represent
+    export_choice: Optional[dict] = None  # training_info.exported_checkpoint: how that step was chosen
 
     @classmethod
     def read(cls, run_dir: Path) -> "RunRecord":
@@ -71,7 +72,7 @@ class RunRecord:
                 log.warning("report: %s cannot be read (%s); the report has no export or serve command",
                             run_dir / RESOLVED_CONFIG_FILE, str(err).splitlines()[0])
         info = json.loads((run_dir / RUN_INFO_FILE).read_text()) if (run_dir / RUN_INFO_FILE).is_file() else {}
-        export_dir, export_step = None, None
+        export_dir, export_step, export_choice = None, None, None
         if run is not None:
             configured = Path(run.dflash.output_dir)
             candidate = configured if configured.is_absolute() else run_dir / configured
@@ -79,7 +80,8 @@ class RunRecord:
                 export_dir = candidate
                 training_info = json.loads((candidate / "config.json").read_text()).get("training_info") or {}
                 export_step = training_info.get("global_step")
-        return cls(run_dir, run, info, export_dir, export_step)
+                export_choice = training_info.get("exported_checkpoint")
+        return cls(run_dir, run, info, export_dir, export_step, export_choice)
 
     @property
     def variant(self) -> str:
@@ -293,7 +295,10 @@ def write_run_report(run_dir: Path, serve_target: Optional[str] = None) -> Path:
     if record.export_dir is None or record.run is None:
         lines.append("No final export yet (training has not finished; the last checkpoint resumes it).")
     else:
-        lines.append(f"`{record.export_dir}`: the weights of step {record.export_step}.")
+        choice = record.export_choice or {}
+        chosen = (f" (the best validated checkpoint by `{choice['monitor']}`, {choice['mode']}: "
+                  f"{choice['score']:.4f})" if choice.get("choice") == "best" else "")
+        lines.append(f"`{record.export_dir}`: the weights of step {record.export_step}{chosen}.")
         lines.append("")
         commands = serving_lines(variant_named(record.variant), record.run.dflash, record.export_dir, serve_target)
         lines += ["```", *commands, "```"]
