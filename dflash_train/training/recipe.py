@@ -26,7 +26,7 @@ from dflash_train.draft.family import family_of, serving_lines
 from dflash_train.errors import ConfigError, InputFileError
 from dflash_train.files import check_writable_directory
 from dflash_train.target import load_target_for_run
-from dflash_train.training.checkpoint_choice import ExportedCheckpoint, choose_export
+from dflash_train.training.checkpoint_choice import choose_export
 from dflash_train.training.history import METRICS_DIR, keep_earlier_launch
 from dflash_train.training.launch import run_directory_of
 from dflash_train.training.lifecycle import (FinishedRun, StepCounters, ValidationRecord, check_launch,
@@ -164,7 +164,7 @@ class ExportOnTrainEnd(Callback):
         self.provenance = provenance
         self.validation = validation
         self.written: Optional[Path] = None
-        self.chosen: Optional[ExportedCheckpoint] = None
+        self.exported: Optional[str] = None  # which checkpoint the export holds, when not simply the last step
 
     def on_train_end(self, trainer: L.Trainer, pl_module: DFlashDraftModule) -> None:
         if self.preemption is not None and self.preemption.stopped_by is not None:
@@ -180,7 +180,7 @@ class ExportOnTrainEnd(Callback):
                 family = family_of(pl_module.spec.variant)
                 count = family.write_export(staging, self.out_dir, pl_module.draft, chosen.state, self.run, info)
             log.info("export: wrote %s (%d tensors), reloaded strictly and matched", self.out_dir, count)
-        self.chosen = chosen
+        self.exported = chosen.describe(trainer.global_step)
         trainer.strategy.barrier("dflash-export")
         self.written = self.out_dir  # every rank reports the export rank 0 wrote
 
@@ -524,7 +524,7 @@ def summarize(trainer: L.Trainer, paths: RunPaths, callbacks: RunCallbacks) -> T
         skipped=skipped,
         stopped_by=callbacks.preemption.stopped_by,
         val_serving_mal=metrics.get("val/serving_mal"),
-        exported=callbacks.exporter.chosen.describe(trainer.global_step) if callbacks.exporter.chosen else None,
+        exported=callbacks.exporter.exported,
     )
 
 
