@@ -185,3 +185,21 @@ def test_fit_advice_names_the_first_value_of_each_knob_that_fits(base_plan):
                                                        "dflash.gradient_checkpointing=true"]
     assert "dflash.num_anchors=64" not in tried  # a knob stops at its first fitting value
     assert fit_advice(base_plan, plan_with) == []
+
+
+def test_nemotron_h_target_plans_from_its_config_files(tiny_hybrid_dir, tmp_path):
+    """The tiny Nemotron-H SpeechLM (Mamba-2, attention, MLP, MoE blocks), its weights file removed, plans in
+    BF16; its expert parallelism is refused in one line, naming the key (not planned yet)."""
+    from dflash_train.config import validate_config
+    from dflash_train.errors import ConfigError
+    from dflash_train.plan import plan_run
+
+    target = tmp_path / "config_only"
+    shutil.copytree(tiny_hybrid_dir, target, ignore=shutil.ignore_patterns("model.safetensors"))
+    overrides = ["model=salm_automodel", *_overrides(target, tmp_path / "run"), "trainer.precision=bf16-flash",
+                 "trainer.strategy.name=fsdp2"]
+    plan = plan_run(validate_config(compose("dflash", overrides)), "h100", 2)
+    assert plan.memory_peak_bytes["target_weights"] > 0 and plan.flops["target"] > 0
+    assert plan.memory_peak_bytes["draft_activations"] > 0
+    with pytest.raises(ConfigError, match="trainer.strategy.ep_size=2"):
+        plan_run(validate_config(compose("dflash", [*overrides, "trainer.strategy.ep_size=2"])), "h100", 2)

@@ -38,6 +38,25 @@ def measure_step(planned: PlannedRun, world_size: int, cost: Optional[StepCost])
     return memory
 
 
+def _check_plannable(run) -> None:
+    """What the plan cannot run yet, refused in one line before anything is built: a Nemotron-H target's
+    expert parallelism (its token dispatch sizes buffers from the routing, a data-dependent count fake
+    tensors cannot follow) and a Nemotron-H target outside BF16 (HF's grouped expert matmul has BF16 only
+    under fake tensors)."""
+    from dflash_train.errors import ConfigError
+    from dflash_train.target.load import is_nemotron_h_speechlm
+
+    if not is_nemotron_h_speechlm(run.model.pretrained_name):
+        return
+    if run.trainer.strategy.ep_size > 1:
+        raise ConfigError(f"trainer.strategy.ep_size={run.trainer.strategy.ep_size}: dflash-plan does not plan expert "
+                          "parallelism yet (its token dispatch is data-dependent); plan with ep_size=1 for an upper bound "
+                          "of the target's memory")
+    if not run.trainer.precision.startswith("bf16"):
+        raise ConfigError(f"trainer.precision={run.trainer.precision}: dflash-plan plans a Nemotron-H target in BF16 "
+                          "only; set trainer.precision=bf16-flash")
+
+
 def plan_run(validated: ValidatedConfig, gpu: str, world_size: int, gpus_per_node: int = 8) -> Plan:
     """The plan of ``validated`` (a composed, validated recipe) on ``world_size`` ranks of ``gpu`` (a key of
     :data:`GPUS`): the target and draft built from their config files under fake tensors, the recipe's
@@ -46,13 +65,8 @@ def plan_run(validated: ValidatedConfig, gpu: str, world_size: int, gpus_per_nod
 
     from dflash_train.target.load import check_target_for_run
 
-    from dflash_train.errors import ConfigError
-    from dflash_train.target.load import is_nemotron_h_speechlm
-
     run, trainer_kwargs = validated
-    if is_nemotron_h_speechlm(run.model.pretrained_name):
-        raise ConfigError(f"model.pretrained_name={run.model.pretrained_name} is a Nemotron-H SpeechLM: dflash-plan "
-                          "builds SALM targets (an HF LLM) only so far; plan a SALM target")
+    _check_plannable(run)
     figures = GPUS[gpu]
     with weights_optional():
         layer_ids = check_target_for_run(run, world_size)

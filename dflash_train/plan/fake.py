@@ -88,6 +88,28 @@ def build_salm_from_config(directory: Path, dtype: torch.dtype) -> SALMTarget:
     return SALMTarget(salm)
 
 
+def build_nemotron_h_from_config(directory: Path, dtype: torch.dtype):
+    """A Nemotron-H SpeechLM target built from ``directory``'s config files alone (``config.json``, the
+    backbone's config, the tokenizer), as :meth:`NemotronHSpeechLMTarget.from_checkpoint` builds it before
+    it reads the weights; under fake mode its parameters are fake."""
+    from nemo.collections.common.tokenizers import AutoTokenizer
+    from nemo.collections.speechlm2.modules import AudioPerceptionModule
+    from omegaconf import DictConfig
+    from transformers import AutoConfig, NemotronHForCausalLM
+
+    from dflash_train.constants import LLM_BACKBONE_DIR
+    from dflash_train.target.nemotron_h import NemotronHSpeechLMTarget
+
+    config = json.loads((directory / "config.json").read_text())
+    llm = NemotronHForCausalLM(AutoConfig.from_pretrained(directory / LLM_BACKBONE_DIR))
+    perception = AudioPerceptionModule(DictConfig(config["perception"]))
+    tokenizer = AutoTokenizer(str(directory), use_fast=True)
+    tokenizer.add_special_tokens({"additional_special_tokens": [config["audio_locator_tag"]]})
+    target = NemotronHSpeechLMTarget(llm, perception, tokenizer, config, directory)
+    _cast_floating(target, dtype)
+    return target.eval()
+
+
 def _cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Every floating parameter and buffer in ``dtype``, as the launch loads them (``.to(dtype)`` cannot swap
     fake parameters in place, so each is replaced; tied tensors stay one tensor)."""
@@ -123,7 +145,16 @@ def build_run(run: RunConfig, trainer_kwargs: dict, layer_ids: list[int], mesh, 
     # serving validation decodes at validation time, not in the training step the plan measures
     run = replace(run, dflash=replace(run.dflash, serving_val_samples=0))
     if target is None:
-        target = build_salm_from_config(Path(run.model.pretrained_name).expanduser(), half or torch.float32)
+        from dflash_train.target.load import is_nemotron_h_speechlm
+
+        directory = Path(run.model.pretrained_name).expanduser()
+        build = build_nemotron_h_from_config if is_nemotron_h_speechlm(str(directory)) else build_salm_from_config
+        target = build(directory, half or torch.float32)
+    if run.trainer.strategy.ep_size > 1 and not target.experts_sharded:  # as the module's setup shards them
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # its device mesh is built on real tensors; the fake experts stay fake
+            target.shard_experts(run.trainer.strategy.ep_size, torch.device("cpu"))
     d = run.dflash
     mask = d.mask_token_id if d.mask_token_id is not None else target.default_mask_token_id()
     spec = DraftSpec(d, tuple(layer_ids), mask, target.num_layers)
