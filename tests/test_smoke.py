@@ -167,7 +167,8 @@ def test_the_plan_stands_beside_the_figures_on_a_gpu_it_knows(tiny_salm_dir, tmp
     plan, note = plan_prediction(validated, 2, "NVIDIA H100 80GB HBM3")
     assert set(plan) == {"target", "draft_forward", "backward", "optimizer", "step_s", "tokens_per_s", "mfu",
                          "peak_allocated_gib"}, note
-    assert all(value > 0 for value in plan.values()) and "H100" in note
+    assert all(value >= 0 for value in plan.values()) and "H100" in note
+    assert all(plan[key] > 0 for key in ("draft_forward", "backward", "step_s", "tokens_per_s", "mfu", "peak_allocated_gib"))
     phases = {"data_wait": 0.001, "target": 0.01, "draft_forward": 0.02, "backward": 0.03, "optimizer": 0.004}
     figures = Figures(1, 4, phases, sum(phases.values()), 1000.0, 0.2, "MFU = ...",
                       [{"allocated_gib": 1.0, "reserved_gib": 2.0, "process_peak_rss_gib": None}], 3, 4, [], 0, plan)
