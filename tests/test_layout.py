@@ -15,7 +15,9 @@ LEVELS = {
     "data": 3, "target": 3, "draft": 3,
     "evaluate": 4, "vllm_plugin": 4, "testing": 4,
     "training": 5,
-    "cli": 6, "__main__": 6,
+    "plan": 6,
+    "smoke": 7,
+    "cli": 8, "__main__": 8,
 }
 
 
