@@ -29,8 +29,7 @@ def measure_step(planned: PlannedRun, world_size: int, cost: Optional[StepCost])
     local = [p.to_local() if hasattr(p, "to_local") else p for p in module.draft.parameters()]
     memory.register(local, "draft_params")
     on_phase = phase_contexts(memory, cost)  # the cost counts only while its mode is on: the second step
-    PhaseHooks(module, on_phase)
-    with memory.tracking():
+    with PhaseHooks(module, on_phase), memory.tracking():
         run_step(module, planned.batch, planned.optimizer, world_size, on_phase, planned.compute_dtype)
         memory.reset_peak()
         with cost if cost is not None else contextlib.nullcontext():

@@ -7,8 +7,9 @@ and nothing is computed. Three things the real step reads back from its data are
 * the anchor draw (``_sample_anchor_positions``, MTP's ``sample_anchors``): the real draw keeps
   ``min(num_anchors, valid positions)`` per row, a data-dependent count; the worst batch has at least
   ``num_anchors`` valid positions in every row, so the plan's draw keeps ``num_anchors`` spread over it;
-* the perception's first-batch check of its frame counts against the host's (``_frames_checked``):
-  the batch's counts are the estimator's own;
+* the perception's first-batch check of its frame counts against the host's (``_frames_checked``,
+  marked done while the step is measured: :class:`~dflash_train.plan.step.PhaseHooks`): the batch's
+  counts are the estimator's own;
 * the batch's host copies (placements, supervised count, documents, anchor runway), which the data
   loader fills on every real batch too.
 """
@@ -166,7 +167,6 @@ def build_run(run: RunConfig, trainer_kwargs: dict, layer_ids: list[int], mesh, 
         module.configure_model()
     optimizer = module.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    target._frames_checked = True
     if worst_anchors:
         _worst_anchor_draw(module, d.num_anchors)
     from torch._subclasses.fake_tensor import unset_fake_temporarily

@@ -23,19 +23,38 @@ PHASES = ("perception", "target", "draft_forward", "loss", "backward", "optimize
 
 
 class PhaseHooks:
-    """Where the step is: the module's pieces wrapped so that each reports the phase it enters.
+    """Where the step is, while the block runs: the module's pieces wrapped so that each reports the phase it
+    enters, and the perception's first-batch frame check marked done (the batch's counts are the estimator's).
 
     ``on_phase(name)`` is called as a phase starts and returns a context the phase runs in (the FLOP
     counter's and the memory counter's bookkeeping). Perception runs inside ``prepare``, the loss inside
-    the core's forward: their entry points are wrapped on the instances, never on the classes."""
+    the core's forward: their entry points are wrapped on the instances, never on the classes, and put
+    back on exit (a target may be shared, as the tests' is)."""
 
     def __init__(self, module: DFlashDraftModule, on_phase: Callable[[str], contextlib.AbstractContextManager]):
         self.module = module
         self.on_phase = on_phase
-        target, core = module.target, module.core
+        self._saved: list[tuple[object, str, bool, object]] = []
+
+    def __enter__(self) -> "PhaseHooks":
+        target, core = self.module.target, self.module.core
+        self._set(target, "_frames_checked", True)
         self._wrap(target, "encode_audio", "perception")
         if hasattr(core, "head_loss"):  # the chunked LM head and loss (DFlash, DFlash2)
             self._wrap(core, "head_loss", "loss")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, had, value in reversed(self._saved):
+            if had:
+                object.__setattr__(owner, name, value)
+            else:
+                object.__delattr__(owner, name)
+        self._saved.clear()
+
+    def _set(self, owner, name: str, value) -> None:
+        self._saved.append((owner, name, name in vars(owner), vars(owner).get(name)))
+        object.__setattr__(owner, name, value)  # on the instance, past nn.Module's attribute bookkeeping
 
     def _wrap(self, owner, name: str, phase: str) -> None:
         original = getattr(owner, name)
@@ -44,7 +63,7 @@ class PhaseHooks:
             with self.on_phase(phase):
                 return original(*args, **kwargs)
 
-        object.__setattr__(owner, name, wrapped)  # on the instance, past nn.Module's attribute bookkeeping
+        self._set(owner, name, wrapped)
 
 
 def run_step(module: DFlashDraftModule, batch: SpeechBatch, optimizer: torch.optim.Optimizer, world_size: int,
