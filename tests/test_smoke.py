@@ -217,3 +217,23 @@ def test_figures_after_warm_up_and_mfu_by_its_formula():
     assert abs(figs.mfu - flops / (0.11 * GPUS["h100"].bf16_flops * 2)) < 1e-15
     assert abs(figs.tokens_per_s - 2000 / 0.11) < 1e-6 and figs.host_syncs_per_step_max == 4
     assert figures(record, record, params, 2, None).mfu is None
+
+
+def test_the_plan_column_after_the_fits_left_their_process_group(tiny_salm_dir, tmp_path):
+    """On rank 0 after the fits the launch's process group is still initialised (Lightning leaves it): the plan
+    column is planned over its own fake group all the same, not refused with "one is already initialised"."""
+    import torch.distributed as dist
+    from conftest import compose, tiny_run_overrides
+
+    from dflash_train.config import validate_config
+    from dflash_train.smoke.run import plan_prediction
+
+    validated = validate_config(compose("demo", [*tiny_run_overrides(tiny_salm_dir), "data.train_ds.max_duration=5",
+                                                 f"exp_manager.explicit_log_dir={tmp_path / 'run'}"]))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        plan, note = plan_prediction(validated, 1, "NVIDIA H100 80GB HBM3")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert plan and plan["step_s"] > 0, note

@@ -226,13 +226,18 @@ def plan_prediction(user: ValidatedConfig, world_size: int, device_name: Optiona
     """``dflash-plan``'s prediction (:func:`~dflash_train.plan.plan_run`, bounds: roofline step time, tokens/s and
     MFU, the counted peak memory) of each figure for this recipe on this GPU, keyed as :func:`markdown` shows them,
     and a note saying where they come from. Empty on a CPU or a GPU the planner has no figures for: its bounds are
-    a GPU's."""
+    a GPU's. Rank 0 calls it alone, after the fits: the launch's process group (which the fits leave initialised) is
+    destroyed first, since the planner runs the step over a fake process group of its own."""
+    import torch.distributed as dist
+
     from dflash_train.plan import plan_run
 
     key = gpu_key(device_name)
     if key is None:
         where = device_name or "CPU"
         return {}, f"dflash-plan's predictions: not shown (the planner bounds GPU runs; this one ran on {where})"
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     try:
         plan = plan_run(user, key, world_size, gpus_per_node=max(1, torch.cuda.device_count()))
     except Exception as err:  # noqa: BLE001 - the smoke's verdict stands without the plan beside it
