@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_launcher
+from conftest import compose, run_launcher, tiny_run_overrides
 
 BIN = Path(sys.executable).parent
 STEPS = 4
@@ -153,7 +153,6 @@ def test_mtp_heads_on_a_nemotron_h_target_with_accumulation_and_a_schedule(tiny_
 def test_the_plan_stands_beside_the_figures_on_a_gpu_it_knows(tiny_salm_dir, tmp_path):
     """On CUDA the figures carry dflash-plan's bounds and the measured/plan ratio (here: the plan of an H100 and a
     made-up measurement, rendered as the report renders it); on a CPU there is no plan, and the note says why."""
-    from conftest import compose, tiny_run_overrides
 
     from dflash_train.config import validate_config
     from dflash_train.smoke.checklist import Figures, Item, markdown
@@ -223,7 +222,6 @@ def test_the_plan_column_after_the_fits_left_their_process_group(tiny_salm_dir, 
     """On rank 0 after the fits the launch's process group is still initialised (Lightning leaves it): the plan
     column is planned over its own fake group all the same, not refused with "one is already initialised"."""
     import torch.distributed as dist
-    from conftest import compose, tiny_run_overrides
 
     from dflash_train.config import validate_config
     from dflash_train.smoke.run import plan_prediction
