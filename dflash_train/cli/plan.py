@@ -56,18 +56,14 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 def plan_command(args: argparse.Namespace) -> int:
     """Compose, check, plan, print (and write the JSON)."""
-    from dflash_train.cli.train import check_before_loading
+    from dflash_train.cli.train import check_before_loading, check_override_keys
     from dflash_train.config import missing_keys, validate_config
     from dflash_train.config.compose import compose_config
-    from dflash_train.config.validate import check_override_key
     from dflash_train.plan import plan_run, weights_optional
     from dflash_train.plan.advice import fit_advice
 
     _check_arguments(args)
-    for override in args.overrides:
-        key = override.split("=", 1)[0]
-        if "=" in override and not key.startswith(("+", "~", "hydra")) and "/" not in key:
-            check_override_key(key)
+    check_override_keys(args.overrides)
     world = args.gpus_per_node * args.nodes
     overrides = [*args.overrides, f"trainer.devices={args.gpus_per_node}", f"trainer.num_nodes={args.nodes}"]
     cfg = compose_config(args.config_name, overrides, args.config_dir)
