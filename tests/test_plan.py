@@ -55,19 +55,26 @@ def _rounded_bytes(tensors) -> int:
 
 
 @pytest.mark.parametrize("world, strategy", [(1, "auto"), (2, "fsdp2")])
-def test_plan_matches_the_real_step_on_cpu(world, strategy, tiny_salm_dir, tiny_target, tmp_path):
+def test_plan_matches_the_real_step_on_cpu(world, strategy, tiny_salm_dir, tmp_path):
     """Fake and real steps, same recipe (one rank; two FSDP2 ranks, of which the real step runs rank 0 over the
     fake process group), every category within 1 % (measured: equal at one rank, 512 bytes apart of 64 MB at
-    two); the real one draws its anchors with the module's own draw, the plan with its worst-case stand-in."""
+    two); the real one draws its anchors with the module's own draw, the plan with its worst-case stand-in.
+
+    The real step gets a freshly loaded target, as a launch does: the session's shared one may have grown its
+    Conformer positional tables on another test's long audio (NeMo extends them in place)."""
+    from nemo.collections.speechlm2.models import SALM
+
     from dflash_train.plan import measure_step, plan_run
     from dflash_train.plan.fake import build_run, fake_world
+    from dflash_train.target import SALMTarget
     from dflash_train.target.load import check_target_for_run
 
     validated = _validated(tiny_salm_dir, tmp_path, f"trainer.strategy.name={strategy}")
     plan = plan_run(validated, "h100", world)
     run, trainer_kwargs = validated
     with fake_world(world) as mesh:
-        real = build_run(run, trainer_kwargs, check_target_for_run(run, world), mesh, target=tiny_target,
+        real = build_run(run, trainer_kwargs, check_target_for_run(run, world), mesh,
+                         target=SALMTarget(SALM.from_pretrained(str(tiny_salm_dir))),
                          worst_anchors=False)
         memory = measure_step(real, world, None)
     module = real.module
