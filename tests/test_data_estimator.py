@@ -56,6 +56,33 @@ def test_chunked_encoding_estimate_is_exact(tiny_target, chunk_seconds):
             del cfg["encoder_chunk_size_seconds"]
 
 
+@pytest.mark.parametrize("chunk_seconds", [None, 10.0, 7.3])
+def test_the_steps_encoding_with_host_counts_equals_nemos_chunked_encoding(tiny_target, chunk_seconds):
+    """The training step encodes with each audio's frame count known on the host (no read of the perception's
+    lengths per audio or per chunk: a host sync each on a GPU, and a read the planner's fake tensors cannot
+    answer); on a padded batch of audio shorter and longer than a chunk its frames equal NeMo's
+    ``encode_audio_with_optional_chunking`` bit for bit, chunked or not."""
+    from nemo.collections.speechlm2.parts.encoder_chunking import encode_audio_with_optional_chunking
+    from omegaconf import open_dict
+
+    cfg = tiny_target.salm.cfg
+    with open_dict(cfg):
+        cfg.encoder_chunk_size_seconds = chunk_seconds
+    try:
+        samples = [round(d * RATE) for d in (0.5, 7.31, 10.005, 23.7, 4.99)]
+        audios = 0.1 * torch.randn(len(samples), max(samples), generator=torch.Generator().manual_seed(3))
+        lens = torch.tensor(samples)
+        frames = [tiny_target.frame_estimator().frames(n) for n in samples]
+        ours = tiny_target.encode_audio(audios, lens, frames)
+        nemos = encode_audio_with_optional_chunking(tiny_target.perception, audios, lens,
+                                                    chunk_size_seconds=chunk_seconds, sampling_rate=RATE)
+        assert [f.shape[0] for f in ours] == frames == [f.shape[0] for f in nemos]
+        assert all(torch.equal(a, b) for a, b in zip(ours, nemos))
+    finally:
+        with open_dict(cfg):
+            del cfg["encoder_chunk_size_seconds"]
+
+
 def test_a_tail_shorter_than_two_feature_frames_folds_into_the_previous_chunk(audio_estimator):
     from dataclasses import replace
 

@@ -196,22 +196,62 @@ def test_fit_advice_names_the_first_value_of_each_knob_that_fits(base_plan):
     assert fit_advice(base_plan, plan_with) == []
 
 
-def test_nemotron_h_target_plans_from_its_config_files(tiny_hybrid_dir, tmp_path):
-    """The tiny Nemotron-H SpeechLM (Mamba-2, attention, MLP, MoE blocks), its weights file removed, plans in
-    BF16; its expert parallelism is refused in one line, naming the key (not planned yet)."""
+def _nemotron_h_plan(target_dir, run_dir, world: int, *extra: str):
     from dflash_train.config import validate_config
-    from dflash_train.errors import ConfigError
     from dflash_train.plan import plan_run
 
-    target = tmp_path / "config_only"
-    shutil.copytree(tiny_hybrid_dir, target, ignore=shutil.ignore_patterns("model.safetensors"))
-    overrides = ["model=salm_automodel", *_overrides(target, tmp_path / "run"), "trainer.precision=bf16-flash",
-                 "trainer.strategy.name=fsdp2"]
-    plan = plan_run(validate_config(compose("dflash", overrides)), "h100", 2)
-    assert plan.memory_peak_bytes["target_weights"] > 0 and plan.flops["target"] > 0
-    assert plan.memory_peak_bytes["draft_activations"] > 0
-    with pytest.raises(ConfigError, match="trainer.strategy.ep_size=2"):
-        plan_run(validate_config(compose("dflash", [*overrides, "trainer.strategy.ep_size=2"])), "h100", 2)
+    overrides = ["model=salm_automodel", *_overrides(target_dir, run_dir), "trainer.precision=bf16-flash",
+                 "trainer.strategy.name=fsdp2", *extra]
+    return plan_run(validate_config(compose("dflash", overrides)), "h100", world)
+
+
+def _config_only(target_dir, tmp_path):
+    copy = tmp_path / "config_only"
+    shutil.copytree(target_dir, copy, ignore=shutil.ignore_patterns("model.safetensors"))
+    return copy
+
+
+def test_expert_parallel_nemotron_h_target_plans_each_rank_with_its_share_of_the_experts(tiny_hybrid_dir, tmp_path):
+    """The tiny Nemotron-H SpeechLM (Mamba-2, attention, MLP and 2 MoE blocks of 4 experts, top-2), its weights
+    file removed, plans in BF16 without and with ``ep_size=2`` over 2 ranks. Against the backbone's config:
+
+    * a rank holds half of every MoE block's routed experts: target weights lower by exactly half the experts'
+      bytes (measured 65,536 B; a DTensor counted whole would show no difference);
+    * the target's FLOPs are equal (the plan routes evenly: a rank's expert work is the mean of any routing;
+      without EP, HF's grouped expert matmul is counted, which torch's FLOP table leaves out);
+    * each MoE block all-reduces the group's ``ep_size × tokens × hidden`` FP32 outputs and all-gathers the
+      group's activations (BF16), routing weights (FP32), expert ids (int64) and token mask."""
+    target = _config_only(tiny_hybrid_dir, tmp_path)
+    whole = _nemotron_h_plan(target, tmp_path / "run", 2)
+    sharded = _nemotron_h_plan(target, tmp_path / "run", 2, "trainer.strategy.ep_size=2")
+    llm = json.loads((target / "llm_backbone" / "config.json").read_text())
+    blocks = llm["layers_block_type"].count("moe")
+    hidden, inter, top_k = llm["hidden_size"], llm["moe_intermediate_size"], llm["num_experts_per_tok"]
+    expert_bytes = blocks * llm["n_routed_experts"] * 2 * hidden * inter * 2
+    assert whole.memory_peak_bytes["target_weights"] - sharded.memory_peak_bytes["target_weights"] == expert_bytes // 2
+    assert whole.flops["target"] > 0 and sharded.flops["target"] == whole.flops["target"]
+    gathered = 2 * sharded.batch_rows * sharded.row_positions  # the group's tokens
+    added = {kind: sharded.collective_bytes.get(kind, 0) - whole.collective_bytes.get(kind, 0)
+             for kind in ("all_reduce", "all_gather")}
+    assert added == {"all_reduce": blocks * gathered * hidden * 4,
+                     "all_gather": blocks * gathered * (hidden * 2 + top_k * 4 + top_k * 8 + 1)}
+    assert whole.memory_peak_bytes["draft_activations"] > 0
+
+
+def test_the_lightning_shaped_target_plans_with_encoder_chunks_and_expert_parallelism(tmp_path):
+    """Nemotron 3.5 Lightning's structure (52 blocks: 23 Mamba-2, 23 MoE of 8 experts top-6, 6 attention; audio
+    encoded in 1 s chunks; the runbook's six taps) plans at ``ep_size`` 2 over 4 ranks. Before, encoding in chunks
+    read the perception's length of every chunk back to the host (NeMo's unpadding), which the plan could not run
+    and a GPU step pays as a sync per chunk."""
+    from dflash_train.testing.tiny_mtp_salm import LIGHTNING, LIGHTNING_TAPS, build_tiny_mtp_salm
+
+    target = build_tiny_mtp_salm(tmp_path / "lightning", LIGHTNING)
+    (target / "model.safetensors").unlink()
+    taps = ",".join(map(str, LIGHTNING_TAPS))
+    plan = _nemotron_h_plan(target, tmp_path / "run", 4, "trainer.strategy.ep_size=2",
+                            f"dflash.target_layer_ids=[{taps}]", "dflash.draft_num_hidden_layers=6")
+    assert plan.row_positions > 0 and plan.flops["perception"] > 0 and plan.flops["target"] > 0
+    assert plan.collective_bytes["all_reduce"] > 0 and plan.memory_peak_bytes["draft_activations"] > 0
 
 
 def test_the_demo_recipe_plans(tiny_salm_dir, tmp_path):

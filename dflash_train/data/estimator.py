@@ -102,7 +102,11 @@ class AudioTokenEstimator:
         """Perception output frames for an audio of ``num_samples`` samples at :attr:`sampling_rate`."""
         if num_samples <= 0:
             return 0
-        return sum(self._unchunked_frames(span) for span in self.chunk_spans(num_samples))
+        return sum(self.chunk_frames(num_samples))
+
+    def chunk_frames(self, num_samples: int) -> list[int]:
+        """Perception output frames of each chunk the target encodes separately (:meth:`chunk_spans`), in order."""
+        return [self._unchunked_frames(span) if span > 0 else 0 for span in self.chunk_spans(num_samples)]
 
     def frames_for_duration(self, seconds: float) -> int:
         """Frames for an audio of ``seconds`` (sample count rounded the way lhotse rounds it)."""

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from dflash_train.config.validate import ValidatedConfig
+from dflash_train.plan.experts import balanced_expert_routing
 from dflash_train.plan.fake import PlannedRun, build_run, fake_world, weights_optional
 from dflash_train.plan.flops import GPUS, StepCost, collective_seconds
 from dflash_train.plan.memory import StepMemory
@@ -20,14 +21,19 @@ from dflash_train.plan.step import PhaseHooks, phase_contexts, run_step
 __all__ = ["GPUS", "Plan", "plan_run", "measure_step", "weights_optional"]
 
 
+def _local_shards(tensors) -> list[torch.Tensor]:
+    """This rank's part of each tensor: a DTensor's (FSDP2's draft, the expert-parallel target's experts) local
+    shard, whose storage is what the rank holds (a DTensor's own reports the whole tensor's size)."""
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
 def measure_step(planned: PlannedRun, world_size: int, cost: Optional[StepCost]) -> StepMemory:
     """Run the planned step twice (the second with the optimizer state in place) and count its memory on
     the second; ``cost`` (when given) counts the second step's FLOPs, bytes and collectives."""
     memory = StepMemory()
     module = planned.module
-    memory.register(list(module.target.parameters()) + list(module.target.buffers()), "target_weights")
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in module.draft.parameters()]
-    memory.register(local, "draft_params")
+    memory.register(_local_shards(list(module.target.parameters()) + list(module.target.buffers())), "target_weights")
+    memory.register(_local_shards(module.draft.parameters()), "draft_params")
     on_phase = phase_contexts(memory, cost)  # the cost counts only while its mode is on: the second step
     with PhaseHooks(module, on_phase), memory.tracking():
         run_step(module, planned.batch, planned.optimizer, world_size, on_phase, planned.compute_dtype)
@@ -38,19 +44,13 @@ def measure_step(planned: PlannedRun, world_size: int, cost: Optional[StepCost])
 
 
 def _check_plannable(run) -> None:
-    """What the plan cannot run yet, refused in one line before anything is built: a Nemotron-H target's
-    expert parallelism (its token dispatch sizes buffers from the routing, a data-dependent count fake
-    tensors cannot follow) and a Nemotron-H target outside BF16 (HF's grouped expert matmul has BF16 only
-    under fake tensors)."""
+    """What the plan cannot run yet, refused in one line before anything is built: a Nemotron-H target outside
+    BF16 (HF's grouped expert matmul has BF16 only under fake tensors)."""
     from dflash_train.errors import ConfigError
     from dflash_train.target.load import is_nemotron_h_speechlm
 
     if not is_nemotron_h_speechlm(run.model.pretrained_name):
         return
-    if run.trainer.strategy.ep_size > 1:
-        raise ConfigError(f"trainer.strategy.ep_size={run.trainer.strategy.ep_size}: dflash-plan does not plan expert "
-                          "parallelism yet (its token dispatch is data-dependent); plan with ep_size=1 for an upper bound "
-                          "of the target's memory")
     if not run.trainer.precision.startswith("bf16"):
         raise ConfigError(f"trainer.precision={run.trainer.precision}: dflash-plan plans a Nemotron-H target in BF16 "
                           "only; set trainer.precision=bf16-flash")
@@ -70,7 +70,7 @@ def plan_run(validated: ValidatedConfig, gpu: str, world_size: int, gpus_per_nod
     with weights_optional():
         layer_ids = check_target_for_run(run, world_size)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_world(world_size) as mesh:
+    with fake_world(world_size) as mesh, balanced_expert_routing():
         with fake:
             planned = build_run(run, trainer_kwargs, layer_ids, mesh)
         cost = StepCost(figures)

@@ -62,6 +62,22 @@ def _cpu_attention_flops(func, args) -> int | None:
     return 2 * forward if backward else forward
 
 
+GROUPED_MM = ("_grouped_mm", "grouped_mm", "grouped_mm_fallback")
+"""The grouped matmuls of MoE experts (torch's, and transformers' fallback op), which torch's table leaves out."""
+
+
+def _grouped_mm_flops(func, args, out) -> int | None:
+    """FLOPs of a grouped matmul (one matmul per expert over its slice of the rows): ``2·M·K·N`` summed over the
+    groups, whatever the split (``[M, K] × [G, K, N]`` and ``[G, M, K] × [G, K, N]``: ``2·out.numel()·K``;
+    ``[M, K] × [K, N]`` split along ``K`` into ``G`` outputs ``[G, M, N]``: ``2·M·K·N``)."""
+    if func._overloadpacket.__name__ not in GROUPED_MM:
+        return None
+    a, b = args[0], args[1]
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out.numel() * a.shape[-1]
+
+
 def _collective_kind(name: str) -> str | None:
     for kind, needles in COLLECTIVES.items():
         if any(needle in name for needle in needles):
@@ -100,11 +116,13 @@ class StepCost(TorchDispatchMode):
         name = func.__name__
         kind = _collective_kind(name) if func.namespace in ("c10d", "_c10d_functional", "c10d_functional") else None
         if kind is not None:
-            # the full buffer (an all-gather's output, a reduce-scatter's input): the largest tensor involved
-            tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
-            self.collective_bytes[kind] += max((_bytes([t]) for t in tensors), default=0)
+            # the full buffer (an all-gather's output, a reduce-scatter's input): the largest argument or result,
+            # a list of tensors (the list forms' per-rank parts) counted whole
+            self.collective_bytes[kind] += max((_bytes(tree_flatten(part)[0]) for part in (*args, out)), default=0)
             return out
         flops = _cpu_attention_flops(func, args)
+        if flops is None:
+            flops = _grouped_mm_flops(func, args, out)
         formula = flop_registry.get(func._overloadpacket)
         if flops is None:
             flops = 0 if formula is None else formula(*args, **kwargs, out_val=out)

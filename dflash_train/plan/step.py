@@ -24,7 +24,8 @@ PHASES = ("perception", "target", "draft_forward", "loss", "backward", "optimize
 
 class PhaseHooks:
     """Where the step is, while the block runs: the module's pieces wrapped so that each reports the phase it
-    enters, and the perception's first-batch frame check marked done (the batch's counts are the estimator's).
+    enters, the perception's first-batch frame check marked done (the batch's counts are the estimator's) and,
+    for a target that encodes in chunks, its frame estimator built ahead on real tensors.
 
     ``on_phase(name)`` is called as a phase starts and returns a context the phase runs in (the FLOP
     counter's and the memory counter's bookkeeping). Perception runs inside ``prepare``, the loss inside
@@ -39,6 +40,11 @@ class PhaseHooks:
     def __enter__(self) -> "PhaseHooks":
         target, core = self.module.target, self.module.core
         self._set(target, "_frames_checked", True)
+        if getattr(target, "encoder_chunk_size_seconds", None) is not None:  # per-chunk counts, read on real tensors
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                target.frame_estimator()
         self._wrap(target, "encode_audio", "perception")
         if hasattr(core, "head_loss"):  # the chunked LM head and loss (DFlash, DFlash2)
             self._wrap(core, "head_loss", "loss")

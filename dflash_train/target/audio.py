@@ -8,6 +8,7 @@ from typing import Iterator
 import torch
 
 from dflash_train.data.batch import SpeechBatch
+from dflash_train.data.estimator import AudioTokenEstimator
 from dflash_train.errors import ConfigError
 from dflash_train.target.llm import FrozenLLM
 from dflash_train.target.splice import SplicedBatch, splice_audio_frames
@@ -23,6 +24,7 @@ class AudioLLM(FrozenLLM):
 
     perception_dtype: torch.dtype | None = None
     _frames_checked = False  # host frame counts were compared with the perception's once
+    _frame_estimator = None  # (chunk size, its frame estimator): frame_estimator()'s cache
 
     def freeze(self) -> None:
         """Frozen (:meth:`FrozenLLM.freeze`), and the perception runs no collective of its own.
@@ -96,25 +98,16 @@ class AudioLLM(FrozenLLM):
         """Perception output per audio, unpadded: a list of ``[frames_i, H]``.
 
         ``frames``: each audio's frame count, known on the host (the data loader's exact estimate).
-        Without encoder chunking the padded output is then cut at those counts, with no read of the
-        device's own lengths (NeMo's unpadding reads one per audio: a host stall each on a GPU); the
-        first such batch checks the counts against the perception's once. Otherwise NeMo's
-        ``encode_audio_with_optional_chunking`` encodes and unpads.
+        With them the padded output is cut at counts known on the host, with no read of the device's
+        own lengths (NeMo's unpadding reads one per audio, or per chunk: a host stall each on a GPU, and
+        a read a planner's fake tensors cannot answer); the first such batch checks the counts against
+        the perception's once. Encoder chunking (``encoder_chunk_size_seconds``) splits, encodes and joins
+        as NeMo's ``encode_audio_with_optional_chunking`` does, its per-chunk counts taken from the frame
+        estimator. Without ``frames``, NeMo's function encodes and unpads.
         """
         from nemo.collections.speechlm2.parts.encoder_chunking import encode_audio_with_optional_chunking
 
-        if frames is not None and self.encoder_chunk_size_seconds is None:
-            padded, lengths = self.perception(input_signal=audios, input_signal_length=audio_lens)
-            if not self._frames_checked:
-                measured = lengths.tolist()
-                if measured != list(frames):
-                    raise ConfigError(
-                        f"the perception produced {measured} frames where the data loader estimated {list(frames)}: "
-                        "the frame estimator does not describe this target's perception; report it with the target"
-                    )
-                self._frames_checked = True
-            encoded = [padded[i, :count] for i, count in enumerate(frames)]
-        else:
+        if frames is None:
             encoded = encode_audio_with_optional_chunking(
                 self.perception,
                 audios,
@@ -122,9 +115,72 @@ class AudioLLM(FrozenLLM):
                 chunk_size_seconds=self.encoder_chunk_size_seconds,
                 sampling_rate=self.sampling_rate,
             )
+        elif self.encoder_chunk_size_seconds is None:
+            encoded = self._encode_with_counts(audios, audio_lens, [[count] for count in frames])
+        else:
+            encoded = self._encode_chunked_with_counts(audios, audio_lens, frames)
         if self.perception_dtype is None:
             return encoded
         return [f.to(self.perception_dtype) for f in encoded]
+
+    def frame_estimator(self) -> AudioTokenEstimator:
+        """The perception's exact frame counts (the data loader's estimator), built once per chunk size."""
+        chunk = self.encoder_chunk_size_seconds
+        if self._frame_estimator is None or self._frame_estimator[0] != chunk:
+            self._frame_estimator = (chunk, AudioTokenEstimator.from_target(self))
+        return self._frame_estimator[1]
+
+    def _encode_with_counts(
+        self, signal: torch.Tensor, signal_lens: torch.Tensor, counts: list[list[int]]
+    ) -> list[torch.Tensor]:
+        """One perception forward over ``signal`` (rows = chunks), then each audio's chunks cut at their host
+        frame counts ``counts`` (one list per audio, one count per chunk, rows in order) and joined."""
+        padded, lengths = self.perception(input_signal=signal, input_signal_length=signal_lens)
+        per_row = [count for chunks in counts for count in chunks]
+        if not self._frames_checked:
+            measured = lengths.tolist()
+            if measured != per_row:
+                raise ConfigError(
+                    f"the perception produced {measured} frames where the data loader estimated {per_row}: "
+                    "the frame estimator does not describe this target's perception; report it with the target"
+                )
+            self._frames_checked = True
+        encoded, row = [], 0
+        for chunks in counts:
+            parts = [padded[row + i, :count] for i, count in enumerate(chunks)]
+            encoded.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+            row += len(chunks)
+        return encoded
+
+    def _encode_chunked_with_counts(
+        self, audios: torch.Tensor, audio_lens: torch.Tensor, frames: list[int]
+    ) -> list[torch.Tensor]:
+        """NeMo's chunked encoding (every audio split into ``encoder_chunk_size_seconds`` spans, a short tail
+        joined to the span before it, all spans through one perception forward) when some audio is longer
+        than a chunk; otherwise one forward over the batch. Per-chunk frame counts come from the estimator."""
+        from torch.nn.utils.rnn import pad_sequence
+
+        estimator = self.frame_estimator()
+        samples = audio_lens.tolist()  # the split needs sample counts on the host: one read per batch
+        spans = [estimator.chunk_spans(count) for count in samples]
+        if all(len(chunks) == 1 for chunks in spans):
+            return self._encode_with_counts(audios, audio_lens, [[count] for count in frames])
+        pieces, piece_lens, counts = [], [], []
+        for audio, chunks, total in zip(audios, spans, frames):
+            begin = 0
+            for span in chunks:
+                pieces.append(audio[begin:begin + span])
+                piece_lens.append(span)
+                begin += span
+            counts.append(estimator.chunk_frames(begin))
+            if sum(counts[-1]) != total:
+                raise ConfigError(
+                    f"an audio of {begin} samples is {sum(counts[-1])} frames in {len(chunks)} chunks where the data "
+                    f"loader estimated {total}: the frame estimator does not describe this target's chunking"
+                )
+        signal = pad_sequence(pieces, batch_first=True)
+        signal_lens = torch.as_tensor(piece_lens, dtype=audio_lens.dtype, device=audio_lens.device)
+        return self._encode_with_counts(signal, signal_lens, counts)
 
     @torch.no_grad()
     def splice_batch(self, batch: SpeechBatch, mask_token_id: int) -> SplicedBatch:
