@@ -35,7 +35,10 @@ DFlash2 trainer core, our Lightning module, FSDP2, export) is the one speech run
     draft forward with the loss, backward, optimizer and the rest), the device synchronised between them.
     The fit's steps, phases, tokens and host syncs are measured by ``dflash-smoke``'s own callback
     (:class:`~dflash_train.smoke.meter.SmokeMeter`), which ``dflash-smoke`` runs on the user's recipe.
-(f) **memory**: peak allocated and reserved memory of a step at 128, 512 and 1024 anchors.
+(f) **memory**: peak allocated and reserved memory of a step at 128, 512 and 1024 anchors, beside
+    ``dflash-plan``'s prediction of the same step (:func:`dflash_train.plan.plan_module_step`: the same
+    target, draft and batch built under fake tensors; its counted peak without optimizer state, and the
+    roofline bound of the step on this GPU) and the ratio measured ÷ planned.
 (g) **shape sweep** (GPU): 20 batch shapes through the compiled flex step in both grad modes; the
     compile cache entries per compiled function.
 
@@ -116,8 +119,8 @@ def build_target(sizes: Sizes, device: torch.device) -> CausalLMTarget:
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return CausalLMTarget(model)
+        model = Qwen3ForCausalLM(config)  # FP32 (on CPU; the plan's fake copy too, cast by the planner)
+    return CausalLMTarget(model.to(torch.bfloat16) if device.type == "cuda" else model)
 
 
 def build_spec(sizes: Sizes, target: CausalLMTarget) -> DraftSpec:
@@ -232,7 +235,8 @@ def _bare_module(sizes: Sizes, target: CausalLMTarget, device: torch.device, **c
     torch.manual_seed(0)
     draft = build_draft(target.llm_config, spec, backend)
     settings = ModuleSettings(layer_ids=list(spec.layer_ids), attention_backend=backend)
-    return DFlashDraftModule(target, draft, spec, settings).to(device)
+    module = DFlashDraftModule(target, draft, spec, settings)
+    return module.to(device) if device.type != "cpu" else module  # built on the CPU (the plan's: fake, not movable)
 
 
 def _autocast(device: torch.device):
@@ -259,13 +263,39 @@ def anchor_memory(sizes: Sizes, target: CausalLMTarget, device: torch.device) ->
         (metrics.loss * metrics.loss_weight).backward()
         _synchronize(device)
         gib = (lambda value: value / 2**30) if device.type == "cuda" else (lambda value: None)
+        allocated = gib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+        planned = planned_step(sizes, batch, anchors, gpu_key(device))
         result[str(anchors)] = {
             "blocks": float(metrics.valid_blocks),
-            "peak_allocated_gib": gib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
+            "peak_allocated_gib": allocated,
             "peak_reserved_gib": gib(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None,
+            **planned,
+            "allocated_over_planned": None if allocated is None else allocated / planned["planned_peak_gib"],
         }
         del module, metrics
     return result
+
+
+def gpu_key(device: torch.device) -> str:
+    """The planner's figures for this device (:data:`dflash_train.plan.GPUS`); H100's for CPU and unknown GPUs."""
+    name = torch.cuda.get_device_name(device).lower() if device.type == "cuda" else ""
+    return next((key for key in ("h200", "b200", "a100") if key in name), "h100").replace("a100", "a100-80g")
+
+
+def planned_step(sizes: Sizes, batch: SpeechBatch, anchors: int, gpu: str) -> dict:
+    """``dflash-plan``'s prediction of the measured step (same target, draft, batch and anchors, BF16, built under
+    fake tensors): the counted peak without optimizer state (the measured step has none) and the roofline bound."""
+    from dflash_train.plan import plan_module_step
+
+    def build():
+        target = build_target(sizes, torch.device("cpu"))
+        module = _bare_module(sizes, target, torch.device("cpu"), num_anchors=anchors)
+        return module, torch.optim.AdamW(module.draft.parameters(), foreach=False)
+
+    memory, cost = plan_module_step(build, batch, anchors, gpu)
+    counted = sum(memory.peak.values()) - memory.peak.get("optimizer_state", 0)
+    return {"planned_peak_gib": counted / 2**30, "planned_step_bound_ms": 1e3 * sum(cost.seconds.values()),
+            "planned_gpu": gpu}
 
 
 def precision_agreement(sizes: Sizes, target: CausalLMTarget, device: torch.device) -> dict:
@@ -487,9 +517,11 @@ def markdown(report: dict) -> str:
         ("step time (median, s)", fmt(fit["step_time_median_s"])),
         ("phases (s): " + " / ".join(PHASES), " / ".join(fmt(phases[k]) for k in PHASES)),
         ("MFU", fmt(fit["mfu"], ".1%") if fit["mfu"] is not None else "—"),
-        ("peak allocated / reserved GiB by anchors", "; ".join(
-            f"{a}: {fmt(m['peak_allocated_gib'])} / {fmt(m['peak_reserved_gib'])}"
-            for a, m in report["memory_by_anchors"].items())),
+        ("peak allocated / reserved GiB by anchors (planned; allocated ÷ planned)", "; ".join(
+            f"{a}: {fmt(m['peak_allocated_gib'])} / {fmt(m['peak_reserved_gib'])} ({fmt(m['planned_peak_gib'])}; "
+            f"{fmt(m['allocated_over_planned'])})" for a, m in report["memory_by_anchors"].items())),
+        ("planned step bound by anchors (ms, dflash-plan's roofline)", "; ".join(
+            f"{a}: {fmt(m['planned_step_bound_ms'])}" for a, m in report["memory_by_anchors"].items())),
         ("compile entries over 20 shapes", str(report["shape_sweep"].get("entries", report["shape_sweep"].get("reason")))),
         ("host syncs per step: between log steps / at log steps",
          f"{fit['host_syncs_between_log_steps_max']} / {fit['host_syncs_at_log_steps_max']}"),

@@ -31,6 +31,12 @@ def test_gpu_check_cpu_smoke_fits_exports_and_resumes(tmp_path):
     assert fit["host_syncs_between_log_steps_max"] <= 3 and fit["gradient_clip_val"] == 1.0
     assert set(report["phases_s"]) == {"data_wait", "target", "draft_forward", "backward", "optimizer"}  # dflash-smoke's
     assert all(entry["blocks"] > 0 for entry in report["memory_by_anchors"].values())
+    # dflash-plan's prediction of each measured step stands beside it (planned without NeMo, as on the stock
+    # image), and grows with the anchors
+    planned = [(entry["planned_peak_gib"], entry["planned_step_bound_ms"])
+               for entry in report["memory_by_anchors"].values()]
+    assert min(planned[0]) > 0
+    assert all(later[0] > earlier[0] and later[1] > earlier[1] for earlier, later in zip(planned, planned[1:]))
     assert out.with_suffix(".md").read_text().startswith("| figure | value |")
 
     # every distribution the check imported is on the stock image or carried, at the version tested here

@@ -6,19 +6,19 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from dflash_train.config.validate import ValidatedConfig
 from dflash_train.plan.experts import balanced_expert_routing
-from dflash_train.plan.fake import PlannedRun, build_run, fake_world, weights_optional
+from dflash_train.plan.fake import PlannedRun, build_run, cast_floating, fake_world, weights_optional, worst_anchor_draw
 from dflash_train.plan.flops import GPUS, StepCost, collective_seconds
 from dflash_train.plan.memory import StepMemory
 from dflash_train.plan.report import Plan, gpu_figures
 from dflash_train.plan.step import PhaseHooks, phase_contexts, run_step
 
-__all__ = ["GPUS", "Plan", "plan_run", "measure_step", "weights_optional"]
+__all__ = ["GPUS", "Plan", "plan_run", "plan_module_step", "measure_step", "weights_optional"]
 
 
 def _local_shards(tensors) -> list[torch.Tensor]:
@@ -41,6 +41,27 @@ def measure_step(planned: PlannedRun, world_size: int, cost: Optional[StepCost])
         with cost if cost is not None else contextlib.nullcontext():
             run_step(module, planned.batch, planned.optimizer, world_size, on_phase, planned.compute_dtype)
     return memory
+
+
+def plan_module_step(build: Callable[[], tuple], batch, num_anchors: int, gpu: str = "h100",
+                     compute_dtype: Optional[torch.dtype] = torch.bfloat16) -> tuple[StepMemory, StepCost]:
+    """The plan of a module built outside a recipe (benchmarks/gpu_check.py's, beside what it measures):
+    ``build()`` returns ``(module, optimizer)`` and runs under fake tensors over a one-rank fake process group;
+    the frozen target is held in ``compute_dtype`` (as a launch loads it) and the step on ``batch`` (every row
+    drawing ``num_anchors`` anchors) is measured as :func:`plan_run` measures a recipe's step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_world(1), balanced_expert_routing():
+        with fake:
+            module, optimizer = build()
+            if compute_dtype is not None:
+                cast_floating(module.target, compute_dtype)
+            worst_anchor_draw(module, num_anchors)
+        cost = StepCost(GPUS[gpu])
+        with fake:
+            memory = measure_step(PlannedRun(module, optimizer, batch, compute_dtype), 1, cost)
+    return memory, cost
 
 
 def _check_plannable(run) -> None:

@@ -85,7 +85,7 @@ def build_salm_from_config(directory: Path, dtype: torch.dtype) -> SALMTarget:
         salm = SALM(config)
     finally:
         os.chdir(cwd)
-    _cast_floating(salm, dtype)
+    cast_floating(salm, dtype)
     return SALMTarget(salm)
 
 
@@ -107,11 +107,11 @@ def build_nemotron_h_from_config(directory: Path, dtype: torch.dtype):
     tokenizer = AutoTokenizer(str(directory), use_fast=True)
     tokenizer.add_special_tokens({"additional_special_tokens": [config["audio_locator_tag"]]})
     target = NemotronHSpeechLMTarget(llm, perception, tokenizer, config, directory)
-    _cast_floating(target, dtype)
+    cast_floating(target, dtype)
     return target.eval()
 
 
-def _cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
+def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Every floating parameter and buffer in ``dtype``, as the launch loads them (``.to(dtype)`` cannot swap
     fake parameters in place, so each is replaced; tied tensors stay one tensor)."""
     cast: dict[int, torch.Tensor] = {}
@@ -168,7 +168,7 @@ def build_run(run: RunConfig, trainer_kwargs: dict, layer_ids: list[int], mesh, 
     optimizer = module.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
     if worst_anchors:
-        _worst_anchor_draw(module, d.num_anchors)
+        worst_anchor_draw(module, d.num_anchors)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # the frame estimator checks itself on real lengths; the batch is small
@@ -176,7 +176,7 @@ def build_run(run: RunConfig, trainer_kwargs: dict, layer_ids: list[int], mesh, 
     return PlannedRun(module, optimizer, batch, half)
 
 
-def _worst_anchor_draw(module: DFlashDraftModule, num_anchors: int) -> None:
+def worst_anchor_draw(module: DFlashDraftModule, num_anchors: int) -> None:
     """The core draws ``num_anchors`` anchors in every row (the worst case), with no read of the data: DFlash's
     and DFlash2's ``_sample_anchor_positions``, MTP's ``sample_anchors``."""
     core = module.core

@@ -45,7 +45,8 @@ class PhaseHooks:
 
             with unset_fake_temporarily():
                 target.frame_estimator()
-        self._wrap(target, "encode_audio", "perception")
+        if hasattr(target, "encode_audio"):  # a text-only target has no perception
+            self._wrap(target, "encode_audio", "perception")
         if hasattr(core, "head_loss"):  # the chunked LM head and loss (DFlash, DFlash2)
             self._wrap(core, "head_loss", "loss")
         return self
