@@ -196,13 +196,13 @@ def test_fit_advice_names_the_first_value_of_each_knob_that_fits(base_plan):
     assert fit_advice(base_plan, plan_with) == []
 
 
-def _nemotron_h_plan(target_dir, run_dir, world: int, *extra: str):
+def _nemotron_h_plan(target_dir, run_dir, world: int, *extra: str, gpus_per_node: int = 8):
     from dflash_train.config import validate_config
     from dflash_train.plan import plan_run
 
     overrides = ["model=salm_automodel", *_overrides(target_dir, run_dir), "trainer.precision=bf16-flash",
                  "trainer.strategy.name=fsdp2", *extra]
-    return plan_run(validate_config(compose("dflash", overrides)), "h100", world)
+    return plan_run(validate_config(compose("dflash", overrides)), "h100", world, gpus_per_node)
 
 
 def _config_only(target_dir, tmp_path):
@@ -249,9 +249,17 @@ def test_the_lightning_shaped_target_plans_with_encoder_chunks_and_expert_parall
     (target / "model.safetensors").unlink()
     taps = ",".join(map(str, LIGHTNING_TAPS))
     plan = _nemotron_h_plan(target, tmp_path / "run", 4, "trainer.strategy.ep_size=2",
-                            f"dflash.target_layer_ids=[{taps}]", "dflash.draft_num_hidden_layers=6")
+                            f"dflash.target_layer_ids=[{taps}]", "dflash.draft_num_hidden_layers=6", gpus_per_node=2)
     assert plan.row_positions > 0 and plan.flops["perception"] > 0 and plan.flops["target"] > 0
     assert plan.collective_bytes["all_reduce"] > 0 and plan.memory_peak_bytes["draft_activations"] > 0
+    # the experts' traffic runs inside each expert group of 2 consecutive ranks (one node: NVLink), the draft's
+    # FSDP2 traffic over all 4 ranks (two nodes: the network); before, all of it was charged to the network
+    from dflash_train.plan import GPUS
+
+    groups, h100 = plan.collective_group_bytes, GPUS["h100"]
+    assert set(groups) == {"2", "4"} and groups["2"] >= plan.collective_bytes["all_reduce"]
+    assert plan.collective_seconds == pytest.approx(
+        groups["2"] / 2 / h100.nvlink_bytes_per_s + groups["4"] * 3 / 4 / h100.network_bytes_per_s)
 
 
 def test_the_demo_recipe_plans(tiny_salm_dir, tmp_path):

@@ -85,6 +85,26 @@ def _collective_kind(name: str) -> str | None:
     return None
 
 
+def _group_size(args) -> int:
+    """Ranks in the group a c10d operator runs over: its process group argument (boxed as a script object by
+    the dispatcher, or a functional collective's group name); the world when none is named."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(arg).size()
+            except RuntimeError:  # another boxed argument (the reduce op)
+                continue
+        if isinstance(arg, str):
+            try:
+                return _resolve_process_group(arg).size()
+            except (ValueError, RuntimeError, KeyError):
+                continue
+    return dist.get_world_size()
+
+
 def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -100,6 +120,7 @@ class StepCost(TorchDispatchMode):
         self.bytes: dict[str, int] = defaultdict(int)
         self.seconds: dict[str, float] = defaultdict(float)
         self.collective_bytes: dict[str, int] = defaultdict(int)
+        self.group_bytes: dict[int, int] = defaultdict(int)  # the same bytes by the size of the group they ran over
 
     @contextmanager
     def charged_to(self, phase: str) -> Iterator[None]:
@@ -118,7 +139,9 @@ class StepCost(TorchDispatchMode):
         if kind is not None:
             # the full buffer (an all-gather's output, a reduce-scatter's input): the largest argument or result,
             # a list of tensors (the list forms' per-rank parts) counted whole
-            self.collective_bytes[kind] += max((_bytes(tree_flatten(part)[0]) for part in (*args, out)), default=0)
+            moved = max((_bytes(tree_flatten(part)[0]) for part in (*args, out)), default=0)
+            self.collective_bytes[kind] += moved
+            self.group_bytes[_group_size(args)] += moved
             return out
         flops = _cpu_attention_flops(func, args)
         if flops is None:
@@ -135,10 +158,14 @@ class StepCost(TorchDispatchMode):
         return out
 
 
-def collective_seconds(collective_bytes: dict[str, int], world_size: int, gpus_per_node: int, gpu: GPU) -> float:
-    """Ring lower bound of the step's collectives: each rank sends ``(W−1)/W`` of each buffer, over NVLink
-    inside one node, over the network when the group spans nodes (the slower link bounds the ring)."""
-    if world_size <= 1:
-        return 0.0
-    bandwidth = gpu.nvlink_bytes_per_s if world_size <= gpus_per_node else gpu.network_bytes_per_s
-    return sum(collective_bytes.values()) * (world_size - 1) / world_size / bandwidth
+def collective_seconds(group_bytes: dict[int, int], gpus_per_node: int, gpu: GPU) -> float:
+    """Ring lower bound of the step's collectives, ``group_bytes`` by the size of the group each ran over: each
+    rank sends ``(g−1)/g`` of each buffer, over NVLink when the group fits in one node (an expert-parallel group
+    of consecutive ranks, a one-node world), over the network when it spans nodes (the slower link bounds the
+    ring)."""
+    seconds = 0.0
+    for size, moved in group_bytes.items():
+        if size > 1:
+            bandwidth = gpu.nvlink_bytes_per_s if size <= gpus_per_node else gpu.network_bytes_per_s
+            seconds += moved * (size - 1) / size / bandwidth
+    return seconds

@@ -38,6 +38,7 @@ class Plan:
     bytes_moved: dict
     roofline_seconds: dict
     collective_bytes: dict
+    collective_group_bytes: dict  # the same bytes by the size of the group they ran over ("8": an EP group of 8)
     collective_seconds: float
     knobs: dict = field(default_factory=dict)
     advice: list = field(default_factory=list)
@@ -104,7 +105,8 @@ class Plan:
             lines.append(f"  {phase:<14} {self.flops.get(phase, 0) / 1e12:10.3f} TFLOP  "
                          f"{self.bytes_moved.get(phase, 0) / 1e9:9.2f} GB  >= {self.roofline_seconds.get(phase, 0) * 1e3:9.2f} ms")
         kinds = ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in sorted(self.collective_bytes.items())) or "none"
-        lines.append(f"  collectives    {kinds}  >= {self.collective_seconds * 1e3:.2f} ms")
+        groups = ", ".join(f"{v / 1e9:.3f} GB over {k} ranks" for k, v in self.collective_group_bytes.items())
+        lines.append(f"  collectives    {kinds} ({groups or 'none'})  >= {self.collective_seconds * 1e3:.2f} ms")
         wall = f"; {self.max_steps} steps >= {self.max_steps * self.step_seconds / 3600:.2f} h" if self.max_steps else ""
         lines.append(f"bound (not a measurement): step >= {self.step_seconds * 1e3:.1f} ms, implied MFU <= "
                      f"{self.mfu:.0%}, <= {self.tokens_per_second:,.0f} tokens/s{wall}")
