@@ -264,13 +264,13 @@ def test_the_lightning_shaped_target_plans_with_encoder_chunks_and_expert_parall
 
 def test_the_demo_recipe_plans(tiny_salm_dir, tmp_path):
     """The demo recipe (DFlash, 32 anchors, rows of 160 positions, one CPU rank over DDP) plans as composed, on
-    the tiny SALM with 5 s audio (30 s is more positions than its rows hold): the shape dflash-smoke's plan
-    column plans on a GPU."""
+    the tiny SALM: its ``max_duration`` (6 s, above every demo utterance) sizes the worst batch (the default 30 s
+    is more positions than its rows hold): the shape dflash-smoke's plan column plans on a GPU."""
     from dflash_train.config import validate_config
     from dflash_train.plan import plan_run
 
     overrides = [f"model.pretrained_name={tiny_salm_dir}", "data.train_ds.input_cfg=[]",
-                 f"exp_manager.explicit_log_dir={tmp_path / 'run'}", "data.train_ds.max_duration=5"]
+                 f"exp_manager.explicit_log_dir={tmp_path / 'run'}"]
     plan = plan_run(validate_config(compose("demo", overrides)), "h100", 1, gpus_per_node=1)
     assert (plan.variant, plan.num_anchors, plan.knobs["strategy"]) == ("dflash", 32, "ddp")
     assert plan.batch_rows == 1024 // 160  # the demo's batch_tokens over its max_tokens

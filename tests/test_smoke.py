@@ -226,7 +226,7 @@ def test_the_plan_column_after_the_fits_left_their_process_group(tiny_salm_dir, 
     from dflash_train.config import validate_config
     from dflash_train.smoke.run import plan_prediction
 
-    validated = validate_config(compose("demo", [*tiny_run_overrides(tiny_salm_dir), "data.train_ds.max_duration=5",
+    validated = validate_config(compose("demo", [*tiny_run_overrides(tiny_salm_dir),
                                                  f"exp_manager.explicit_log_dir={tmp_path / 'run'}"]))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
