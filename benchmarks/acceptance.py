@@ -158,7 +158,7 @@ def train_variant(target: Path, name: str, variant: str, label_source: str, trai
     ]
     cfg = compose_config("demo", overrides)
     with open_dict(cfg):  # the selector size is pinned here so the benchmark does not follow demo.yaml edits
-        if variant == "dflash2":
+        if variant == "dflash2" and not any(o.startswith("dflash.selector_rank=") for o in extra):
             cfg.dflash.selector_rank = DFLASH2_SELECTOR_RANK
         else:
             cfg.dflash.pop("selector_rank", None)  # only DFlash2 has a selector

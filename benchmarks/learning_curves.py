@@ -1,6 +1,8 @@
 """Learning curves on the reference targets: serving MAL, acceptance@1 and MAL after a correction against step.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_curves.py --target salm --variant dflash --seed 42
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_curves.py --variant dflash2 --seed 45 \
+        --override dflash.selector_rank=256          # an experiment row: the recipe's selector, not the benchmark's
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_curves.py --report
 
 Issue 49: is the step serving prefers the last one, and does the step validation prefers (``val/serving_mal``,
@@ -73,7 +75,7 @@ def labelled_data(target: Path, work: Path, label_limit: int, val_limit: int, ev
 
 
 def train_part(target: Path, variant: str, seed: int, steps: int, every: int, train: Path, val: Path,
-               part: Path) -> list[dict]:
+               part: Path, overrides: tuple[str, ...] = ()) -> list[dict]:
     """Train to ``steps`` in launches of ``every`` steps, keeping each launch's export and validation figures;
     steps kept by an earlier, interrupted call are not trained again."""
     run_dir, points = part / "run", []
@@ -84,7 +86,7 @@ def train_part(target: Path, variant: str, seed: int, steps: int, every: int, tr
             points.append(json.loads(record.read_text()))
             continue
         row = train_variant(target, f"curve-{variant}", variant, "ground_truth", train, val, run_dir, step, seed,
-                            fresh=step == every)
+                            extra=overrides, fresh=step == every)
         if kept.exists():
             shutil.rmtree(kept)
         shutil.copytree(row["export"], kept)  # an MTP export links the target's files: copied as files
@@ -111,19 +113,27 @@ def evaluate_part(target: Path, variant: str, points: list[dict], test: Path, ma
         point["acceptance_at_1"] = point["per_position"][0]["acceptance"]
 
 
+def part_name(variant: str, seed: int, overrides: tuple[str, ...]) -> str:
+    """A part's directory: the family, the seed and the experiment's overrides (``dflash.selector_rank=256`` →
+    ``dflash2-s45-selector_rank=256``)."""
+    return "-".join([variant, f"s{seed}", *(o.removeprefix("dflash.").replace("/", "_") for o in overrides)])
+
+
 def run_part(target_name: str, variant: str, seed: int, steps: int, every: int, label_limit: int, val_limit: int,
-             eval_limit: int, max_new_tokens: int) -> dict:
-    """One part: labels (once per target), training in launches, evaluation; writes and returns ``curve.json``."""
+             eval_limit: int, max_new_tokens: int, overrides: tuple[str, ...] = ()) -> dict:
+    """One part: labels (once per target), training in launches, evaluation; writes and returns ``curve.json``.
+    ``overrides`` (Hydra, after the benchmark's own) make it an experiment row, reported apart from the family."""
     started = time.perf_counter()
     target = TARGETS[target_name]
     if not (target / "model.safetensors").exists():
         raise SystemExit(f"no reference target in {target}: run benchmarks/train_reference_target.py")
     work = OUT / target_name
     train, val, test = labelled_data(target, work, label_limit, val_limit, eval_limit, max_new_tokens)
-    part = work / f"{variant}-s{seed}"
-    points = train_part(target, variant, seed, steps, every, train, val, part)
+    part = work / part_name(variant, seed, overrides)
+    points = train_part(target, variant, seed, steps, every, train, val, part, overrides)
     evaluate_part(target, variant, points, test, max_new_tokens, part)
-    curve = {"target": target_name, "variant": variant, "seed": seed, "steps": steps, "every": every,
+    curve = {"target": target_name, "variant": variant, "overrides": list(overrides), "seed": seed, "steps": steps,
+             "every": every,
              "label_limit": label_limit, "val_limit": val_limit, "eval_limit": eval_limit, "max_new_tokens": max_new_tokens,
              "wall_s": round(time.perf_counter() - started, 1), "points": points}
     (part / CURVE_FILE).write_text(json.dumps(curve, indent=2) + "\n")
@@ -144,7 +154,8 @@ def collect(out: Path) -> dict[tuple[str, str], list[dict]]:
     parts: dict[tuple[str, str], list[dict]] = {}
     for path in sorted(out.glob(f"*/*/{CURVE_FILE}")):
         curve = json.loads(path.read_text())
-        parts.setdefault((curve["target"], curve["variant"]), []).append(curve)
+        label = " ".join([curve["variant"], *curve.get("overrides", [])])  # an experiment is its own row
+        parts.setdefault((curve["target"], label), []).append(curve)
     return parts
 
 
@@ -237,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-limit", type=int, default=0,
                         help="held-out utterances evaluated (default %(default)s: all 100; once per target)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a Hydra override after the benchmark's own (repeatable): an experiment row, e.g. "
+                             "dflash.selector_rank=256 (the recipe's) against the benchmark's 32")
     parser.add_argument("--report", action="store_true", help="no training: the table and plot of finished parts")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -244,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps {args.steps} is not a multiple of --every {args.every}")
     if not args.report:
         curve = run_part(args.target, args.variant, args.seed, args.steps, args.every, args.label_limit,
-                         args.val_limit, args.eval_limit, args.max_new_tokens)
+                         args.val_limit, args.eval_limit, args.max_new_tokens, tuple(args.override))
         print(f"part {args.target}/{args.variant}/seed {args.seed}: {curve['wall_s'] / 60:.1f} min")
     print("\n".join(report(OUT)))
     return 0
