@@ -72,13 +72,18 @@ def tiny_hybrid_target(tiny_hybrid_dir):
     return open_speech_target(ModelConfig(pretrained_name=str(tiny_hybrid_dir)))
 
 
-@pytest.fixture(scope="session")
-def tiny_target(tiny_salm_dir):
+def load_salm_target(salm_dir):
+    """A freshly loaded frozen target of the SALM checkpoint in ``salm_dir`` (NeMo's ``SALM.from_pretrained``)."""
     from nemo.collections.speechlm2.models import SALM
 
     from dflash_train.target import SALMTarget
 
-    return SALMTarget(SALM.from_pretrained(str(tiny_salm_dir)))
+    return SALMTarget(SALM.from_pretrained(str(salm_dir)))
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_salm_dir):
+    return load_salm_target(tiny_salm_dir)
 
 
 @pytest.fixture(scope="session")

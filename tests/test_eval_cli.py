@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import compose, tiny_run_overrides
+from conftest import compose, load_salm_target, tiny_run_overrides
 from lhotse import CutSet
 from lhotse.utils import fastcopy
 
@@ -93,11 +93,7 @@ def test_eval_compares_two_drafts_on_identical_samples(tiny_salm_dir, drafts, cu
 
 
 def test_perception_runs_in_the_serving_precision(tiny_salm_dir, speech_batch):
-    from nemo.collections.speechlm2.models import SALM
-
-    from dflash_train.target import SALMTarget
-
-    target = SALMTarget(SALM.from_pretrained(str(tiny_salm_dir)))
+    target = load_salm_target(tiny_salm_dir)
     audios, lens = speech_batch
     full = target.encode_audio(audios, lens)
     target.run_perception_in(torch.bfloat16)

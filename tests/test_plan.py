@@ -19,7 +19,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import compose, tiny_run_overrides
+from conftest import compose, load_salm_target, tiny_run_overrides
 
 GIB = 2**30
 
@@ -62,11 +62,8 @@ def test_plan_matches_the_real_step_on_cpu(world, strategy, tiny_salm_dir, tmp_p
 
     The real step gets a freshly loaded target, as a launch does: the session's shared one may have grown its
     Conformer positional tables on another test's long audio (NeMo extends them in place)."""
-    from nemo.collections.speechlm2.models import SALM
-
     from dflash_train.plan import measure_step, plan_run
     from dflash_train.plan.fake import build_run, fake_world
-    from dflash_train.target import SALMTarget
     from dflash_train.target.load import check_target_for_run
 
     validated = _validated(tiny_salm_dir, tmp_path, f"trainer.strategy.name={strategy}")
@@ -74,7 +71,7 @@ def test_plan_matches_the_real_step_on_cpu(world, strategy, tiny_salm_dir, tmp_p
     run, trainer_kwargs = validated
     with fake_world(world) as mesh:
         real = build_run(run, trainer_kwargs, check_target_for_run(run, world), mesh,
-                         target=SALMTarget(SALM.from_pretrained(str(tiny_salm_dir))),
+                         target=load_salm_target(tiny_salm_dir),
                          worst_anchors=False)
         memory = measure_step(real, world, None)
     module = real.module
