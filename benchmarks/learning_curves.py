@@ -37,7 +37,9 @@ import math
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -119,20 +121,44 @@ def part_name(variant: str, seed: int, overrides: tuple[str, ...]) -> str:
     return "-".join([variant, f"s{seed}", *(o.removeprefix("dflash.").replace("/", "_") for o in overrides)])
 
 
+@contextmanager
+def proposing_by(proposal: str) -> Iterator[None]:
+    """DFlash2's serving proposal while the block runs: ``walk`` (its candidate walk, what vLLM serves) or
+    ``argmax`` (each position's base-head argmax, DFlash's proposal, from the same exports): the experiment that
+    tells a walk that loses acceptance from a head that does."""
+    from dflash_train.variants import variant_named
+    from dflash_train.variants.base import DraftVariant
+
+    dflash2 = type(variant_named("dflash2"))
+    saved = dflash2.__dict__["propose"]
+    if proposal == "argmax":
+        dflash2.propose = DraftVariant.propose
+    try:
+        yield
+    finally:
+        dflash2.propose = saved
+
+
 def run_part(target_name: str, variant: str, seed: int, steps: int, every: int, label_limit: int, val_limit: int,
-             eval_limit: int, max_new_tokens: int, overrides: tuple[str, ...] = ()) -> dict:
+             eval_limit: int, max_new_tokens: int, overrides: tuple[str, ...] = (), proposal: str = "walk") -> dict:
     """One part: labels (once per target), training in launches, evaluation; writes and returns ``curve.json``.
-    ``overrides`` (Hydra, after the benchmark's own) make it an experiment row, reported apart from the family."""
+    ``overrides`` (Hydra, after the benchmark's own) make it an experiment row, reported apart from the family;
+    so does ``proposal="argmax"`` (DFlash2: the same exports evaluated by :func:`proposing_by` argmax, in a part
+    of its own beside the trained one)."""
     started = time.perf_counter()
     target = TARGETS[target_name]
     if not (target / "model.safetensors").exists():
         raise SystemExit(f"no reference target in {target}: run benchmarks/train_reference_target.py")
     work = OUT / target_name
     train, val, test = labelled_data(target, work, label_limit, val_limit, eval_limit, max_new_tokens)
-    part = work / part_name(variant, seed, overrides)
-    points = train_part(target, variant, seed, steps, every, train, val, part, overrides)
-    evaluate_part(target, variant, points, test, max_new_tokens, part)
-    curve = {"target": target_name, "variant": variant, "overrides": list(overrides), "seed": seed, "steps": steps,
+    trained = work / part_name(variant, seed, overrides)
+    points = train_part(target, variant, seed, steps, every, train, val, trained, overrides)
+    part = trained if proposal == "walk" else trained.with_name(f"{trained.name}-{proposal}")
+    part.mkdir(parents=True, exist_ok=True)
+    with proposing_by(proposal):
+        evaluate_part(target, variant, points, test, max_new_tokens, part)
+    experiment = list(overrides) + ([f"proposal={proposal}"] if proposal != "walk" else [])
+    curve = {"target": target_name, "variant": variant, "overrides": experiment, "seed": seed, "steps": steps,
              "every": every,
              "label_limit": label_limit, "val_limit": val_limit, "eval_limit": eval_limit, "max_new_tokens": max_new_tokens,
              "wall_s": round(time.perf_counter() - started, 1), "points": points}
@@ -251,14 +277,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a Hydra override after the benchmark's own (repeatable): an experiment row, e.g. "
                              "dflash.selector_rank=256 (the recipe's) against the benchmark's 32")
+    parser.add_argument("--proposal", choices=("walk", "argmax"), default="walk",
+                        help="DFlash2's serving proposal: its candidate walk (default), or the base head's argmax "
+                             "evaluated on the same exports (an experiment row)")
     parser.add_argument("--report", action="store_true", help="no training: the table and plot of finished parts")
     args = parser.parse_args(argv)
+    if args.proposal != "walk" and args.variant != "dflash2":
+        parser.error("--proposal argmax is DFlash2's experiment (the other families propose by argmax already)")
     logging.basicConfig(level=logging.WARNING)
     if args.steps % args.every:
         parser.error(f"--steps {args.steps} is not a multiple of --every {args.every}")
     if not args.report:
         curve = run_part(args.target, args.variant, args.seed, args.steps, args.every, args.label_limit,
-                         args.val_limit, args.eval_limit, args.max_new_tokens, tuple(args.override))
+                         args.val_limit, args.eval_limit, args.max_new_tokens, tuple(args.override), args.proposal)
         print(f"part {args.target}/{args.variant}/seed {args.seed}: {curve['wall_s'] / 60:.1f} min")
     print("\n".join(report(OUT)))
     return 0
