@@ -33,7 +33,7 @@ from torch.nn import functional as F
 
 from dflash_train.draft.anchors import anchor_coverage, documents_of, draw_anchors
 from dflash_train.draft.mtp import MTPStep
-from dflash_train.loss.head import CROSS_ENTROPY, LossTerms, TeacherRows, chunked_head_loss, position_bound
+from dflash_train.loss.head import CROSS_ENTROPY, HeadLoss, LossTerms, TeacherRows, chunked_head_loss, position_bound
 from dflash_train.target.taps import document_attention_mask
 from dflash_train.variants.mtp import valid_anchor_mask
 
@@ -156,6 +156,15 @@ class MTPTrainerCore(nn.Module):
             outputs.append(step(gather_at(embeds, anchors, k), outputs[-1], attention=attend_chain))
         return torch.stack(outputs, dim=2), anchors, keep
 
+    def head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, supervised: torch.Tensor,
+                  teacher: TeacherRows | None) -> HeadLoss:
+        """The chunked LM head and the run's loss over the chains' supervised positions (the step's one entry
+        point to the head, as the block drafts' ``head_loss`` is: dflash-plan charges it to the loss phase)."""
+        return chunked_head_loss(
+            hidden, self.lm_head, labels, weights, self.loss_chunk_size, positions=supervised,
+            max_positions=position_bound(supervised, self.supervised_bound), terms=self.terms, teacher=teacher,
+        )
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -183,10 +192,7 @@ class MTPTrainerCore(nn.Module):
                 steps = torch.arange(1, depth + 1, device=features.device)
                 index = rows + (anchors[..., None] + steps).clamp(max=features.shape[1] - 1)
                 teacher = TeacherRows(features.reshape(-1, features.shape[-1]), index)
-            head = chunked_head_loss(
-                hidden, self.lm_head, labels, weights, self.loss_chunk_size, positions=supervised,
-                max_positions=position_bound(supervised, self.supervised_bound), terms=self.terms, teacher=teacher,
-            )
+            head = self.head_loss(hidden, labels, weights, supervised, teacher)
             weighted_loss, predictions = head.weighted_loss, head.predictions
             self.weighted_ce = head.weighted_nll.detach()
         else:
