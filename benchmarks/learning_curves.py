@@ -118,7 +118,8 @@ def evaluate_part(target: Path, variant: str, points: list[dict], test: Path, ma
 def part_name(variant: str, seed: int, overrides: tuple[str, ...]) -> str:
     """A part's directory: the family, the seed and the experiment's overrides (``dflash.selector_rank=256`` →
     ``dflash2-s45-selector_rank-256``: no "=" in a path Hydra reads)."""
-    return "-".join([variant, f"s{seed}", *(o.removeprefix("dflash.").replace("=", "-").replace("/", "_") for o in overrides)])
+    tags = (o.removeprefix("dflash.").replace("=", "-").replace("/", "_") for o in overrides)
+    return "-".join([variant, f"s{seed}", *tags])
 
 
 @contextmanager
