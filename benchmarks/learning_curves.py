@@ -54,6 +54,7 @@ TARGETS = {"salm": ROOT / "benchmarks" / "reference_target",
 FAMILIES = ("dflash", "dflash2", "mtp")
 OUT = WORK / "learning_curves"
 CURVE_FILE = "curve.json"
+LABEL_LIMIT = 1200  # training utterances of a part by default (--label-limit: another size is an experiment row)
 FIGURES = (("mal", "serving MAL"), ("acceptance_at_1", "acceptance@1"), ("after_correction_mal", "MAL after a correction"))
 
 
@@ -150,7 +151,8 @@ def run_part(target_name: str, variant: str, seed: int, steps: int, every: int, 
     target = TARGETS[target_name]
     if not (target / "model.safetensors").exists():
         raise SystemExit(f"no reference target in {target}: run benchmarks/train_reference_target.py")
-    work = OUT / target_name
+    # another training-set size is another labelled set, kept apart (more data vs more steps)
+    work = OUT / (target_name if label_limit == LABEL_LIMIT else f"{target_name}-{label_limit}utt")
     train, val, test = labelled_data(target, work, label_limit, val_limit, eval_limit, max_new_tokens)
     trained = work / part_name(variant, seed, overrides)
     points = train_part(target, variant, seed, steps, every, train, val, trained, overrides)
@@ -181,7 +183,8 @@ def collect(out: Path) -> dict[tuple[str, str], list[dict]]:
     parts: dict[tuple[str, str], list[dict]] = {}
     for path in sorted(out.glob(f"*/*/{CURVE_FILE}")):
         curve = json.loads(path.read_text())
-        label = " ".join([curve["variant"], *curve.get("overrides", [])])  # an experiment is its own row
+        sized = [f"{curve['label_limit']}utt"] if curve["label_limit"] != LABEL_LIMIT else []
+        label = " ".join([curve["variant"], *curve.get("overrides", []), *sized])  # an experiment is its own row
         parts.setdefault((curve["target"], label), []).append(curve)
     return parts
 
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2400, help="training steps of a part (default %(default)s)")
     parser.add_argument("--every", type=int, default=300,
                         help="steps between validations and kept exports (default %(default)s)")
-    parser.add_argument("--label-limit", type=int, default=1200,
+    parser.add_argument("--label-limit", type=int, default=LABEL_LIMIT,
                         help="training utterances labelled and trained on (default %(default)s; once per target)")
     parser.add_argument("--val-limit", type=int, default=32,
                         help="training utterances after those trained on, labelled for validation (default "
