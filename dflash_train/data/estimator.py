@@ -106,7 +106,12 @@ class AudioTokenEstimator:
 
     def chunk_frames(self, num_samples: int) -> list[int]:
         """Perception output frames of each chunk the target encodes separately (:meth:`chunk_spans`), in order."""
-        return [self._unchunked_frames(span) if span > 0 else 0 for span in self.chunk_spans(num_samples)]
+        return self.span_frames(self.chunk_spans(num_samples))
+
+    def span_frames(self, spans: list[int]) -> list[int]:
+        """Perception output frames of each span of samples encoded on its own (spans from :meth:`chunk_spans`,
+        for a caller that has split the audio already)."""
+        return [self._unchunked_frames(span) if span > 0 else 0 for span in spans]
 
     def frames_for_duration(self, seconds: float) -> int:
         """Frames for an audio of ``seconds`` (sample count rounded the way lhotse rounds it)."""

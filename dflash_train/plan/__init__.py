@@ -49,19 +49,32 @@ def plan_module_step(build: Callable[[], tuple], batch, num_anchors: int, gpu: s
     ``build()`` returns ``(module, optimizer)`` and runs under fake tensors over a one-rank fake process group;
     the frozen target is held in ``compute_dtype`` (as a launch loads it) and the step on ``batch`` (every row
     drawing ``num_anchors`` anchors) is measured as :func:`plan_run` measures a recipe's step."""
+    def planned(mesh) -> PlannedRun:
+        module, optimizer = build()
+        if compute_dtype is not None:
+            cast_floating(module.target, compute_dtype)
+        worst_anchor_draw(module, num_anchors)
+        return PlannedRun(module, optimizer, batch, compute_dtype)
+
+    _, memory, cost = _fake_step(planned, 1, gpu)
+    return memory, cost
+
+
+def _fake_step(build: Callable[[object], PlannedRun], world_size: int, gpu: str
+               ) -> tuple[PlannedRun, StepMemory, StepCost]:
+    """The one sequence every plan runs: a fake ``world_size``-rank process group, balanced expert routing,
+    ``build(mesh)`` under fake tensors, then the step measured twice (memory, and the second step's cost on
+    ``gpu``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_world(1), balanced_expert_routing():
+    with fake_world(world_size) as mesh, balanced_expert_routing():
         with fake:
-            module, optimizer = build()
-            if compute_dtype is not None:
-                cast_floating(module.target, compute_dtype)
-            worst_anchor_draw(module, num_anchors)
+            planned = build(mesh)
         cost = StepCost(GPUS[gpu])
         with fake:
-            memory = measure_step(PlannedRun(module, optimizer, batch, compute_dtype), 1, cost)
-    return memory, cost
+            memory = measure_step(planned, world_size, cost)
+    return planned, memory, cost
 
 
 def _check_plannable(run) -> None:
@@ -81,8 +94,6 @@ def plan_run(validated: ValidatedConfig, gpu: str, world_size: int, gpus_per_nod
     """The plan of ``validated`` (a composed, validated recipe) on ``world_size`` ranks of ``gpu`` (a key of
     :data:`GPUS`): the target and draft built from their config files under fake tensors, the recipe's
     step run twice on the worst batch over a fake process group. Reads no weights file."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from dflash_train.target.load import check_target_for_run
 
     run, trainer_kwargs = validated
@@ -90,13 +101,7 @@ def plan_run(validated: ValidatedConfig, gpu: str, world_size: int, gpus_per_nod
     figures = GPUS[gpu]
     with weights_optional():
         layer_ids = check_target_for_run(run, world_size)
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_world(world_size) as mesh, balanced_expert_routing():
-        with fake:
-            planned = build_run(run, trainer_kwargs, layer_ids, mesh)
-        cost = StepCost(figures)
-        with fake:
-            memory = measure_step(planned, world_size, cost)
+    planned, memory, cost = _fake_step(lambda mesh: build_run(run, trainer_kwargs, layer_ids, mesh), world_size, gpu)
     d = run.dflash
     return Plan(
         gpu=gpu,

@@ -172,7 +172,7 @@ class AudioLLM(FrozenLLM):
                 pieces.append(audio[begin:begin + span])
                 piece_lens.append(span)
                 begin += span
-            counts.append(estimator.chunk_frames(begin))
+            counts.append(estimator.span_frames(chunks))
             if sum(counts[-1]) != total:
                 raise ConfigError(
                     f"an audio of {begin} samples is {sum(counts[-1])} frames in {len(chunks)} chunks where the data "
