@@ -208,7 +208,7 @@ def test_draft_model_config_passes_non_managed_keys():
 
 
 SHIPPED_YAML = {
-    "demo.yaml", "dflash.yaml", "dflash_local.yaml", "data/lhotse.yaml", "dflash/dflash.yaml", "dflash/dflash2.yaml", "dflash/mtp.yaml",
+    "demo.yaml", "dflash.yaml", "dflash_local.yaml", "data/lhotse.yaml", "dflash/dflash.yaml", "dflash/dflash2.yaml", "dflash/mtp.yaml", "dflash/eagle3.yaml",
     "exp_manager/default.yaml", "model/salm.yaml", "model/salm_automodel.yaml", "trainer/cpu.yaml",
     "trainer/default.yaml",
 }

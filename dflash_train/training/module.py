@@ -273,14 +273,14 @@ class DFlashDraftModule(L.LightningModule):
         layout = document_layout(doc_ids, batch.max_documents if packed else 1)
         argmax = self.settings.label_source == "target_argmax"
         taps_features = self.spec.variant.uses_taps
-        distills = self.distills and taps_features  # MTP's features already are the target's final states
+        keeps_teacher = self.keeps_teacher
         # Rows are right-padded: in a causal target no real position can see the padding that follows
         # it, so the target runs without a padding mask (HF would read the mask back to pick a kernel).
         taps = target.forward_taps(
             spliced.inputs_embeds,
             None,
             self.settings.layer_ids if taps_features else [],
-            return_last_hidden=argmax or not taps_features or distills,
+            return_last_hidden=argmax or not taps_features or keeps_teacher,
             position_ids=layout.position_ids if packed else None,
             document_ids=doc_ids if packed else None,
         )
@@ -296,7 +296,7 @@ class DFlashDraftModule(L.LightningModule):
                 embeds = torch.where(spliced.audio_mask[..., None], spliced.inputs_embeds, target.embed_tokens(ids))
         inputs = StepInputs(
             ids, features, spliced.loss_mask, layout.position_ids, layout.seq_lens, layout.doc_remaining, embeds,
-            taps.last_hidden if distills else None, batch.supervised_tokens, batch.anchor_runway,
+            taps.last_hidden if keeps_teacher else None, batch.supervised_tokens, batch.anchor_runway,
         )
         if self.settings.pads_shapes:
             inputs = pad_to_multiple(inputs, FLEX_LENGTH_MULTIPLE)
@@ -306,6 +306,13 @@ class DFlashDraftModule(L.LightningModule):
     def distills(self) -> bool:
         """Whether the run's loss learns the target's distribution (so each step keeps its final hidden states)."""
         return self.spec.variant.loss_terms(self.spec.cfg).distills
+
+    @property
+    def keeps_teacher(self) -> bool:
+        """Whether the core gets the target's final hidden states (``teacher_hidden``): a tap variant that distils
+        or learns the target's distribution (MTP's features already are those states)."""
+        variant = self.spec.variant
+        return variant.uses_taps and (self.distills or variant.reads_target_distribution)
 
     def has_valid_anchor(self, inputs: StepInputs) -> bool:
         """Whether any row holds an anchor of this variant (DFlash: a supervised position with a full block
@@ -375,7 +382,7 @@ class DFlashDraftModule(L.LightningModule):
         embeddings, and zero target states when distilling), in the width, dtype and device of ``features_like`` /
         ``embeds_like``."""
         device = features_like.device
-        keeps_teacher = self.distills and self.spec.variant.uses_taps
+        keeps_teacher = self.keeps_teacher
         teacher = features_like.new_zeros(rows, length, self.target.hidden_size) if keeps_teacher else None
         layout = document_layout(torch.zeros(rows, length, dtype=torch.long, device=device), 1)
         return StepInputs(

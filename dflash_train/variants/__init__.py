@@ -11,9 +11,10 @@ from dflash_train.errors import ConfigError
 from dflash_train.variants.base import ANCHOR_BUDGETS, DFlashConfig, DraftVariant, TargetDims
 from dflash_train.variants.dflash import DFLASH
 from dflash_train.variants.dflash2 import DFLASH2, DFlash2Config
+from dflash_train.variants.eagle3 import EAGLE3_VARIANT, Eagle3Config
 from dflash_train.variants.mtp import MTP_VARIANT, MTPConfig
 
-VARIANTS: dict[str, DraftVariant] = {variant.name: variant for variant in (DFLASH, DFLASH2, MTP_VARIANT)}
+VARIANTS: dict[str, DraftVariant] = {variant.name: variant for variant in (DFLASH, DFLASH2, MTP_VARIANT, EAGLE3_VARIANT)}
 
 ARCHITECTURE_ALIASES: dict[str, str] = {
     alias: variant.export_architecture for variant in VARIANTS.values() for alias in variant.architecture_aliases
@@ -44,6 +45,7 @@ __all__ = [
     "DFlash2Config",
     "DFlashConfig",
     "DraftVariant",
+    "Eagle3Config",
     "MTPConfig",
     "TargetDims",
     "VARIANTS",

@@ -183,6 +183,14 @@ class DraftVariant:
     uses_taps: bool = True
     """Whether the draft reads tapped target features (``dflash.target_layer_ids``); ``False``: it reads the
     target's final hidden state and the token embeddings instead."""
+    reads_target_distribution: bool = False
+    """Whether the trainer core learns the target's next-token distribution: the module then hands it the
+    target's final hidden states (``teacher_hidden``) whatever the loss terms."""
+
+    def tap_count(self, cfg: DFlashConfig) -> int:
+        """How many target layers the draft taps when ``dflash.target_layer_ids`` is null (DFlash: one per
+        draft layer)."""
+        return cfg.draft_num_hidden_layers
 
     def block_span(self, cfg: DFlashConfig) -> int:
         """Real tokens of its document that must follow an anchor position (DFlash: the rest of a full block)."""
