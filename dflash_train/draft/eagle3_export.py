@@ -66,9 +66,10 @@ def load_eagle3_export(path: str | Path) -> Eagle3Draft:
     config = read_json_object(path / CONFIG_FILE, "point at an EAGLE-3 export directory (dflash=eagle3 output_dir)")
     if config.get("architectures") != [EAGLE3_VARIANT.export_architecture]:
         raise DraftExportError(f"'{path}' holds {config.get('architectures')}, not an EAGLE-3 export")
-    draft = Eagle3Draft(LlamaConfig.from_dict({**config, "attn_implementation": "eager"}))
     weights = {("" if k.startswith(("lm_head.", "d2t", "t2d")) else "model.") + k: v
                for k, v in load_file(str(path / WEIGHTS_FILE)).items()}
+    draft = Eagle3Draft(LlamaConfig.from_dict({**config, "attn_implementation": "eager"}))
+    draft.to(weights["model.fc.weight"].dtype)  # its RMSNorms are built in bfloat16 (nemo_automodel's default)
     result = draft.load_state_dict(weights, strict=False)
     if set(result.missing_keys) != {SHARED_WEIGHT} or result.unexpected_keys:
         raise DraftExportError(
