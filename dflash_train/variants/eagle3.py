@@ -55,7 +55,6 @@ class Eagle3(DraftVariant):
     name = "eagle3"
     config_schema = Eagle3Config
     export_architecture = "LlamaForCausalLMEagle3"
-    architecture_aliases = ("LlamaEagle3DraftModel",)
     family = "eagle3"
     uses_taps = True
     reads_target_distribution = True
