@@ -113,12 +113,18 @@ class Eagle3Core(Eagle3TrainerModule):
     distribution at *t + 1* (over the draft vocabulary, where its top-1 is in it) when token *t + 2* is
     supervised and in the same document; later TTT steps walk on along the row. The target's LM head is held
     outside the module tree (frozen, never saved with the draft).
+
+    ``audio_frames``: ``(frame id, served id)``: the module's rows carry ``frame id`` (the mask token) at audio
+    frames, where vLLM's EAGLE-3 proposer, which takes no multimodal embeddings, feeds the draft the audio
+    placeholder token ``served id``; the draft reads that token's embedding there, as served.
     """
 
-    def __init__(self, draft: LlamaEagle3DraftModel, target_lm_head: nn.Module, ttt_steps: int):
+    def __init__(self, draft: LlamaEagle3DraftModel, target_lm_head: nn.Module, ttt_steps: int,
+                 audio_frames: Optional[tuple[int, int]] = None):
         ids, mask = selected_tokens(draft)
         super().__init__(draft, selected_token_ids=ids, selected_token_mask=mask, ttt_steps=ttt_steps)
         object.__setattr__(self, "target_lm_head", target_lm_head)
+        self.audio_frames = audio_frames
         self.anchor_coverage_sums: Optional[torch.Tensor] = None
         self.supervised_bound: Optional[int] = None  # set by the module; every slot is trained, so unused
         self.placeholder = False
@@ -131,8 +137,12 @@ class Eagle3Core(Eagle3TrainerModule):
         with torch.no_grad():
             target_logits = shift_left(self.target_lm_head(teacher_hidden), 1)
         dtype = self.draft_model.model.fc.weight.dtype
+        served_ids = input_ids
+        if self.audio_frames is not None:
+            frame, served = self.audio_frames
+            served_ids = torch.where(input_ids == frame, served, input_ids)
         metrics = super().forward(
-            shift_left(input_ids, 1), (doc_remaining >= 0).long(), shift_left(supervised, 2), features.to(dtype),
+            shift_left(served_ids, 1), (doc_remaining >= 0).long(), shift_left(supervised, 2), features.to(dtype),
             target_logits, position_ids=position_ids, doc_remaining=doc_remaining - 1,
         )
         documents = documents_of(doc_remaining)

@@ -157,7 +157,9 @@ class Eagle3Drafts:
     def build_core(self, draft, target, spec, attention_backend, stable_shapes):
         from dflash_train.draft.eagle3 import Eagle3Core
 
-        return Eagle3Core(draft, target.lm_head, spec.cfg.ttt_steps)
+        audio = getattr(target, "audio_locator_tag_id", None)  # a speech target's: its frames are served as it
+        frames = None if audio is None else (spec.mask_token_id, audio)
+        return Eagle3Core(draft, target.lm_head, spec.cfg.ttt_steps, audio_frames=frames)
 
     def warm_start(self, draft, path, spec):
         from dflash_train.draft.eagle3_export import warm_start_eagle3
