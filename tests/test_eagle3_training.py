@@ -94,6 +94,38 @@ def test_deeper_ttt_steps_count_prefix_hits_into_the_accept_length():
     assert draft.model.fc.weight.grad.abs().sum() > 0 and draft.model.embed_tokens.weight.grad is None
 
 
+def test_a_packed_row_trains_as_its_documents_apart():
+    """Two documents packed in one row give the loss, chains and prefix hits of the same documents in two
+    padded rows: attention, RoPE positions and the TTT chains all stay inside each document."""
+    from dflash_train.data.packing import document_layout
+
+    draft = _tiny_draft()
+    head = torch.nn.Linear(16, 12, bias=False).double()
+    torch.nn.init.normal_(head.weight, std=2.0)
+    core = Eagle3Core(draft, head, ttt_steps=3)
+    lengths, width = (7, 6), 15
+    ids, features = torch.randint(0, 12, (1, width)), torch.randn(1, width, 48).double()
+    teacher, loss_mask = torch.randn(1, width, 16).double(), torch.ones(1, width).double()
+    loss_mask[0, [0, 7, 13, 14]] = 0  # each document's prompt token, and the padding
+    packed = document_layout(torch.tensor([[0] * 7 + [1] * 6 + [-1] * 2]))
+    together = core(ids, features, loss_mask, packed.position_ids, packed.seq_lens, packed.doc_remaining,
+                    teacher_hidden=teacher)
+
+    rows = torch.tensor([[0] * 7 + [-1] * 8, [0] * 6 + [-1] * 9])
+    apart = document_layout(rows)
+
+    def split(x):
+        out = torch.zeros((2,) + x.shape[1:], dtype=x.dtype)
+        out[0, :7], out[1, :6] = x[0, :7], x[0, 7:13]
+        return out
+
+    separate = core(split(ids), split(features), split(loss_mask), apart.position_ids, apart.seq_lens,
+                    apart.doc_remaining, teacher_hidden=split(teacher))
+    assert together.step_valid.tolist() == separate.step_valid.tolist() == [9, 7, 5]
+    assert together.step_prefix_hits.tolist() == separate.step_prefix_hits.tolist()
+    torch.testing.assert_close(together.loss, separate.loss)
+
+
 def _eagle3_recipe(salm_dir, run_dir, *extra):
     overrides = [o for o in tiny_run_overrides(salm_dir) if not o.startswith("dflash.")] + [
         "dflash=eagle3",

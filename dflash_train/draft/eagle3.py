@@ -82,6 +82,19 @@ def selected_tokens(draft: LlamaEagle3DraftModel) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
+def packed_seq_lens(seq_lens: torch.Tensor, width: int) -> Optional[torch.Tensor]:
+    """nemo_automodel's packing argument from the module's ``seq_lens`` ``[B, D]`` (document lengths, zero-padded)
+    in rows of ``width``: each row's trailing padding folded into its last document, so a row sums to
+    ``width``; ``None`` when rows hold one document each (the padding mask alone is then exact: rows are
+    right-padded and attention is causal)."""
+    if seq_lens.shape[1] < 2:
+        return None
+    documents = (seq_lens > 0).sum(dim=1, keepdim=True)
+    last = (documents - 1).clamp_min(0)
+    padding = width - seq_lens.sum(dim=1, keepdim=True)
+    return seq_lens.scatter_add(1, last, padding)
+
+
 def shift_left(tensor: torch.Tensor, steps: int) -> torch.Tensor:
     """``tensor[:, t + steps]`` at ``t``, zero (false) past the row's end."""
     return torch.cat([tensor[:, steps:], torch.zeros_like(tensor[:, :steps])], dim=1)
@@ -108,7 +121,7 @@ class Eagle3Core(Eagle3TrainerModule):
     """nemo_automodel's TTT trainer behind the training module's core call.
 
     ``forward(input_ids, features, loss_mask, position_ids, seq_lens, doc_remaining, teacher_hidden)`` takes the
-    module's unshifted rows: token *t*, the taps' output at *t*, whether token *t* is supervised, and the target's
+    module's unshifted (possibly packed: attention stays inside each document) rows: token *t*, the taps' output at *t*, whether token *t* is supervised, and the target's
     final hidden state at *t*. Slot *t* then reads token *t + 1* and taps *t*, and learns the target's
     distribution at *t + 1* (over the draft vocabulary, where its top-1 is in it) when token *t + 2* is
     supervised and in the same document; later TTT steps walk on along the row. The target's LM head is held
@@ -144,6 +157,7 @@ class Eagle3Core(Eagle3TrainerModule):
         metrics = super().forward(
             shift_left(served_ids, 1), (doc_remaining >= 0).long(), shift_left(supervised, 2), features.to(dtype),
             target_logits, position_ids=position_ids, doc_remaining=doc_remaining - 1,
+            seq_lens=None if seq_lens is None else packed_seq_lens(seq_lens, input_ids.shape[1]),
         )
         documents = documents_of(doc_remaining)
         slots = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
