@@ -38,6 +38,10 @@ class ListDataModule(L.LightningDataModule):
         world = self.trainer.world_size if self.trainer else 1
         return batches[rank::world]
 
+    def supervised_sample(self, limit):
+        """The training batches' ``input_ids`` / ``loss_mask``, at most ``limit`` of them (an EAGLE-3 vocabulary)."""
+        return [{"input_ids": b.input_ids, "loss_mask": b.loss_mask} for b in self.train[:limit]]
+
     def train_dataloader(self):
         return ResumableBatches(self._shard(self.train), start=batches_consumed(self.trainer))
 

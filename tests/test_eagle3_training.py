@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -153,6 +154,7 @@ def _eagle3_recipe(salm_dir, run_dir, *extra):
         ("dflash.serving_val_samples=4", "dflash.serving_val_samples=4: serving validation has no EAGLE-3 proposer"),
         ("dflash.attention_backend=flex_attention", "dflash.attention_backend=flex_attention: nemo_automodel's EAGLE-3"),
         ("dflash.draft_vocab_size=0", "dflash.draft_vocab_size=0 must be >= 1"),
+        ("dflash.draft_vocab_samples=0", "dflash.draft_vocab_samples=0 must be >= 1"),
         ("+dflash.selector_rank=8", "config key 'dflash.selector_rank' belongs to variant dflash2"),
     ],
 )
@@ -205,16 +207,30 @@ def test_eagle3_resume_is_exact_and_the_export_is_vllms_eagle3_format(tiny_salm_
         setup_draft(wrong, target, spec, "sdpa")
 
 
-def test_the_cli_trains_an_eagle3_draft_on_the_demo_recipe(tiny_salm_dir, demo_data, tmp_path):
+def _supervised_counts(cuts_path, tokenizer) -> Counter:
+    """Token counts of the answers in a cut manifest, tokenized here (each answer text and its end of turn)."""
+    from lhotse import CutSet
+
+    end = tokenizer.token_to_id("<|im_end|>")
+    counts = Counter()
+    for cut in CutSet.from_file(cuts_path):
+        for supervision in cut.supervisions:
+            counts.update(tokenizer.text_to_ids(supervision.text) + [end])
+    return counts
+
+
+def test_the_cli_trains_an_eagle3_draft_on_the_demo_recipe(tiny_salm_dir, tiny_target, demo_data, tmp_path):
     """The user's path: ``dflash-train --config-name=demo dflash=eagle3``; the end-of-run summary names the
-    eagle3 serve line, and the export reloads strictly."""
+    eagle3 serve line, the export reloads strictly, and its draft vocabulary is the training answers' most
+    frequent tokens (the end of turn among them), covering more of them than any other choice of its size."""
     train_cuts, val_cuts = demo_data
     run_dir = tmp_path / "run"
     args = [
         "--config-name=demo", "dflash=eagle3", f"model.pretrained_name={tiny_salm_dir}",
         f"data.train_ds.input_cfg.0.cuts_path={train_cuts}", f"data.validation_ds.input_cfg.0.cuts_path={val_cuts}",
         "data.train_ds.bucket_estimate_samples=20", "trainer.max_steps=4", "trainer.val_check_interval=4",
-        "trainer.limit_val_batches=1", "dflash.ttt_steps=3", f"exp_manager.explicit_log_dir={run_dir}",
+        "trainer.limit_val_batches=1", "dflash.ttt_steps=3", "dflash.draft_vocab_size=24",
+        f"exp_manager.explicit_log_dir={run_dir}",
     ]
     proc = subprocess.run([sys.executable, "-m", "dflash_train", *args], cwd=tmp_path, capture_output=True, text=True,
                           timeout=600)
@@ -222,6 +238,11 @@ def test_the_cli_trains_an_eagle3_draft_on_the_demo_recipe(tiny_salm_dir, demo_d
     assert proc.returncode == 0, out[-4000:]
     export = run_dir / "export"
     assert f'"method": "eagle3", "model": "{export.resolve()}", "num_speculative_tokens": 3' in out, out[-3000:]
-    assert load_eagle3_export(export).draft_vocab_size > 0
+    draft = load_eagle3_export(export)
+    chosen = (torch.arange(24) + draft.d2t).tolist()
+    counts = _supervised_counts(train_cuts, tiny_target.tokenizer)
+    best = sum(count for _, count in counts.most_common(24))
+    assert tiny_target.tokenizer.token_to_id("<|im_end|>") in chosen
+    assert sum(counts[t] for t in chosen) >= 0.95 * best > 1.5 * sum(counts[t] for t in range(24)), (chosen, counts)
     losses = [float(x) for x in re.findall(r"final train loss ([0-9.]+)", out)]
     assert losses and all(l == l for l in losses), out[-3000:]

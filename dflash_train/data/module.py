@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Optional
+from itertools import chain, islice
+from typing import Iterable, Iterator, Optional
 
 import lightning as L
 import torch
@@ -116,7 +117,8 @@ class SpeechDataModule(L.LightningDataModule):
                 groups.setdefault(input_name(inp), []).append(inp)
         return groups
 
-    def _streams(self, inputs: list[InputConfig], ds: DatasetConfig, sharded: bool) -> list[ExampleStream]:
+    def _streams(self, inputs: list[InputConfig], ds: DatasetConfig, sharded: bool,
+                 skips: Optional[SkipCounter] = None) -> list[ExampleStream]:
         prepare = Preparer(
             self.prompt_format, self.estimator, Filters(ds.min_duration, ds.max_duration, token_cap(ds))
         )
@@ -124,7 +126,7 @@ class SpeechDataModule(L.LightningDataModule):
             ExampleStream(
                 open_input(inp, self.cfg.system_prompt, self.estimator.sampling_rate, shard_seed=self.seed),
                 prepare,
-                self.skips,
+                self.skips if skips is None else skips,
                 sharded,
             )
             for inp in inputs
@@ -137,6 +139,15 @@ class SpeechDataModule(L.LightningDataModule):
         if len(repeated) == 1:
             return repeated[0]
         return LazyIteratorMultiplexer(*repeated, weights=[s.source.weight for s in streams], seed=self.train_seed)
+
+    def supervised_sample(self, limit: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The training inputs' first ``limit`` usable examples in file order, unsharded (the same on every rank),
+        as ``{"input_ids", "loss_mask"}`` rows of one: what counting the data's supervised tokens reads (an
+        EAGLE-3 draft vocabulary). Reads no audio; its skips are not counted (training counts them)."""
+        streams = self._streams(self.cfg.train_ds.input_cfg, self.cfg.train_ds, sharded=False, skips=SkipCounter())
+        for example in islice(chain.from_iterable(streams), limit):
+            yield {"input_ids": torch.from_numpy(example.input_ids)[None],
+                   "loss_mask": torch.from_numpy(example.loss_mask)[None]}
 
     @property
     def train_seed(self) -> int:

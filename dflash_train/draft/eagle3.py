@@ -2,8 +2,8 @@
 
 The draft is :class:`Eagle3Draft`, nemo_automodel's ``LlamaEagle3DraftModel`` shaped like the target's
 LLM (one decoder layer, the target's width and heads), with the target's embedding table copied in and
-frozen and a draft vocabulary of the target's first ``dflash.draft_vocab_size`` token ids (``d2t`` /
-``t2d``; a frequency-ranked vocabulary is the next step). :class:`Eagle3Core` is nemo_automodel's
+frozen and a draft vocabulary of ``dflash.draft_vocab_size`` target tokens (``d2t`` / ``t2d``), those the
+training data supervises most often (:func:`choose_draft_vocabulary`, on a fresh draft). :class:`Eagle3Core` is nemo_automodel's
 ``Eagle3TrainerModule`` behind the training module's core contract: it aligns the module's unshifted
 rows to nemo_automodel's convention (slot *t* reads taps *t* and token *t + 1*, and learns the target's
 distribution at *t + 1*) and returns the sums the module logs.
@@ -12,7 +12,7 @@ distribution at *t + 1*) and returns the sums the module logs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from nemo_automodel.components.speculative.eagle.core import Eagle3TrainerModule
@@ -62,12 +62,26 @@ def draft_taps(draft: LlamaEagle3DraftModel) -> list[int]:
 
 def build_eagle3_draft(target, draft_vocab_size: Optional[int], layer_ids, dtype: torch.dtype) -> Eagle3Draft:
     """A fresh draft for ``target`` tapping blocks ``layer_ids``, in ``dtype``: the target's embeddings copied and
-    frozen (EAGLE-3's default) and the first ``draft_vocab_size`` token ids as its output vocabulary."""
+    frozen (EAGLE-3's default) and the first ``draft_vocab_size`` token ids as its output vocabulary until
+    :func:`choose_draft_vocabulary` fits it to the training data."""
     draft = Eagle3Draft(draft_config(target.llm_config, draft_vocab_size, layer_ids))
     draft.set_vocab_mapping(torch.arange(draft.draft_vocab_size))
     draft.copy_embeddings_from_target(target.embed_tokens)
     draft.freeze_embeddings()
     return draft.to(dtype)
+
+
+def choose_draft_vocabulary(draft: LlamaEagle3DraftModel, examples: Iterable[dict]) -> None:
+    """Make the draft's output vocabulary the ``draft_vocab_size`` target tokens most often supervised in
+    ``examples`` (``{"input_ids", "loss_mask"}``: the same on every rank), by nemo_automodel's selection (most
+    frequent first, then unseen ids to fill it); a no-op when the vocabulary is not reduced."""
+    from nemo_automodel.components.datasets.llm.eagle3 import build_eagle3_token_mapping
+
+    vocab = draft.model.embed_tokens.num_embeddings
+    if draft.draft_vocab_size >= vocab:
+        return
+    ids, _ = build_eagle3_token_mapping(examples, target_vocab_size=vocab, draft_vocab_size=draft.draft_vocab_size)
+    draft.set_vocab_mapping(ids.to(draft.d2t.device))
 
 
 def selected_tokens(draft: LlamaEagle3DraftModel) -> tuple[torch.Tensor, torch.Tensor]:

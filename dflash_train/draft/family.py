@@ -36,6 +36,10 @@ class DraftFamily(Protocol):
     def warm_start(self, draft: nn.Module, path: str, spec: DraftSpec) -> None:
         """Load ``dflash.init_from_pretrained`` into ``draft`` strictly."""
 
+    def fit_to_data(self, draft: nn.Module, datamodule, spec: DraftSpec) -> None:
+        """Fit what a fresh draft takes from the training data before its first step (EAGLE-3: its output
+        vocabulary, from the supervised tokens' frequencies); the other families take nothing."""
+
     def write_export(self, staging: Path, location: Path, draft: nn.Module, state: dict, run, training_info) -> int:
         """Write the serving export into ``staging`` (renamed to ``location`` afterwards), reload it strictly and
         compare it with ``state``; returns the tensor count."""
@@ -77,6 +81,9 @@ class BlockDrafts:
         from dflash_train.draft.build import warm_start
 
         warm_start(draft, path, spec)
+
+    def fit_to_data(self, draft, datamodule, spec):
+        return None
 
     def write_export(self, staging, location, draft, state, run, training_info):
         from dflash_train.draft.export import write_export
@@ -120,6 +127,9 @@ class MTPHeads:
         from dflash_train.draft.mtp_export import warm_start_mtp
 
         warm_start_mtp(draft, path)
+
+    def fit_to_data(self, draft, datamodule, spec):
+        return None
 
     def write_export(self, staging, location, draft, state, run, training_info):
         from dflash_train.draft.mtp_export import write_mtp_export
@@ -165,6 +175,11 @@ class Eagle3Drafts:
         from dflash_train.draft.eagle3_export import warm_start_eagle3
 
         warm_start_eagle3(draft, path)
+
+    def fit_to_data(self, draft, datamodule, spec):
+        from dflash_train.draft.eagle3 import choose_draft_vocabulary
+
+        choose_draft_vocabulary(draft, datamodule.supervised_sample(spec.cfg.draft_vocab_samples))
 
     def write_export(self, staging, location, draft, state, run, training_info):
         from dflash_train.draft.eagle3_export import write_eagle3_export

@@ -365,8 +365,9 @@ def setup_target(run: RunConfig, world_size: int = 1):
     return target, DraftSpec(run.dflash, tuple(layer_ids), mask_token_id, target.num_layers), half
 
 
-def setup_draft(run: RunConfig, target, spec: DraftSpec, backend: str) -> torch.nn.Module:
-    """A fresh draft shaped after the target, or the warm start ``dflash.init_from_pretrained``.
+def setup_draft(run: RunConfig, target, spec: DraftSpec, backend: str, datamodule=None) -> torch.nn.Module:
+    """A fresh draft shaped after the target (fitted to ``datamodule``'s training data where its family takes
+    something from it), or the warm start ``dflash.init_from_pretrained``.
 
     The draft's initialisation is drawn from ``seed`` itself, not from whatever state loading the
     target left the generator in: the same seed gives the same draft however the target was loaded."""
@@ -377,6 +378,8 @@ def setup_draft(run: RunConfig, target, spec: DraftSpec, backend: str) -> torch.
         family.warm_start(draft, run.dflash.init_from_pretrained, spec)
     else:
         log.info("draft: fresh initialisation (%s)", spec.variant.describe_draft(run.dflash))
+        if datamodule is not None:
+            family.fit_to_data(draft, datamodule, spec)
     return draft
 
 
@@ -558,8 +561,8 @@ def train(validated: ValidatedConfig, datamodule_factory=None, callbacks: tuple[
     L.seed_everything(run.seed, workers=True)
 
     target, spec, half = setup_target(run, data_parallel_size(run, trainer_kwargs))
-    draft = setup_draft(run, target, spec, backend)
     datamodule = datamodule_factory(run, target)
+    draft = setup_draft(run, target, spec, backend, datamodule)
     module = setup_module(run, target, draft, spec, backend, datamodule, half, trainer_kwargs)
     trainer, recipe_callbacks = setup_trainer(run, trainer_kwargs, accelerator, paths, half,
                                               module.settings.optim.accumulate_grad_batches)

@@ -29,6 +29,7 @@ class Eagle3Config(DFlashConfig):
     variant: str = "eagle3"
     ttt_steps: int = 7  # TTT unroll depth: the steps trained per position (EAGLE-3 / SpecForge's ttt_length 7)
     draft_vocab_size: Optional[int] = 32000  # the draft's output vocabulary; null or >= the target's: all of it
+    draft_vocab_samples: int = 20000  # training examples (first in file order) whose supervised tokens choose it
 
 
 DFLASH_ONLY_KEYS = (
@@ -72,6 +73,9 @@ class Eagle3(DraftVariant):
             yield f"dflash.ttt_steps={cfg.ttt_steps} must be >= 1 (the TTT steps unrolled per position)"
         if cfg.draft_vocab_size is not None and cfg.draft_vocab_size < 1:
             yield f"dflash.draft_vocab_size={cfg.draft_vocab_size} must be >= 1, or null for the target's vocabulary"
+        if cfg.draft_vocab_samples < 1:
+            yield (f"dflash.draft_vocab_samples={cfg.draft_vocab_samples} must be >= 1 (training examples counted "
+                   "to choose the draft vocabulary)")
         taps = cfg.target_layer_ids
         if taps is not None and len(set(taps)) != EAGLE3_TAPS:
             yield (
