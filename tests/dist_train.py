@@ -44,6 +44,14 @@ def _flags(argv: list[str]) -> tuple[list[str], dict[str, str], list[str]]:
     return positional, flags, overrides
 
 
+VARIANT_OVERRIDES = {
+    "dflash2": ["dflash.block_size=4", "dflash.num_anchors=512", "dflash.selector_rank=16", "dflash.selector_top_k=8"],
+    # the whole vocabulary: each rank's rows here are its own (the recipe's vocabulary pass reads the same
+    # unsharded examples on every rank)
+    "eagle3": ["dflash.ttt_steps=3", "dflash.draft_vocab_size=null"],
+}
+
+
 def main() -> None:
     (out, salm_dir, strategy, variant, *wavs), flags, overrides = _flags(sys.argv[1:])
     unsupervised = {int(row) for row in flags.get("unsupervised", "").split(",") if row}
@@ -66,11 +74,9 @@ def main() -> None:
                 f"trainer.max_steps={steps}",
                 f"trainer.val_check_interval={steps}",
                 "+trainer.enable_progress_bar=false",
-                "dflash.block_size=4",
-                "dflash.num_anchors=512",
                 "dflash.lr=3e-3",
             ]
-            + (["dflash.selector_rank=16", "dflash.selector_top_k=8"] if variant == "dflash2" else [])
+            + VARIANT_OVERRIDES.get(variant, ["dflash.block_size=4", "dflash.num_anchors=512"])
             + optimizer
             + overrides
             + [

@@ -42,7 +42,12 @@ def _weights(run_dir: Path) -> dict:
 # the two sums): measured 6e-8 (FSDP2, also with 2 accumulated micro-batches); with per-rank selector means
 # the first step's loss already differs by 3.5e-4 relative (7.9629 vs 7.9657).
 SGD = ("--sgd", "0.5", "--steps", "2")
-VARIANT_FLAGS = {"dflash": (), "dflash2": ()}
+VARIANT_FLAGS = {"dflash": (), "dflash2": (), "eagle3": ()}
+# EAGLE-3's loss is nemo_automodel's: each TTT step a mean over the rank's own supervised slots, so N ranks
+# (combined by their chains) are not exactly one process. Measured on this batch: train loss 2.9e-5 and
+# validation loss 4.0e-5 relative, weights 1.1e-4 after 2 SGD steps at lr 0.5 (a rank's gradient left out of
+# the reduction moves them by orders of magnitude more). (loss rel, weights abs):
+MATCH_TOLERANCE = {"eagle3": (1e-4, 3e-4)}
 
 
 @pytest.fixture(scope="module")
@@ -55,18 +60,21 @@ def single(tiny_salm_dir, wavs, tmp_path_factory):
 
 
 # the recipe's defaults (FSDP2, DFlash2 with its selector) and the extra case (DDP, DFlash)
-@pytest.mark.parametrize("strategy, variant", [("fsdp2", "dflash2"), ("ddp", "dflash")])
+@pytest.mark.parametrize("strategy, variant", [("fsdp2", "dflash2"), ("ddp", "dflash"), ("fsdp2", "eagle3")])
 def test_two_ranks_match_one(single, tiny_salm_dir, wavs, tmp_path, strategy, variant):
     single_dir, single_metrics = single[variant]
     metrics = _launch(tmp_path, tiny_salm_dir, strategy, variant, 2, wavs, *SGD, *VARIANT_FLAGS[variant])
     assert metrics[0]["steps"] == metrics[1]["steps"] == single_metrics[0]["steps"] == 2
     # every rank logs the globally normalised loss
     assert metrics[0]["train_loss"] == pytest.approx(metrics[1]["train_loss"], abs=1e-6)
-    assert metrics[0]["train_loss"] == pytest.approx(single_metrics[0]["train_loss"], rel=1e-5)
-    assert metrics[0]["val_loss"] == pytest.approx(single_metrics[0]["val_loss"], rel=1e-5)
+    loss_rel, weight_tol = MATCH_TOLERANCE.get(variant, (1e-5, 1e-6))
+    print(f"\n{strategy}/{variant}: train loss 2 ranks {metrics[0]['train_loss']!r} vs 1 process "
+          f"{single_metrics[0]['train_loss']!r}; val {metrics[0]['val_loss']!r} vs {single_metrics[0]['val_loss']!r}")
+    assert metrics[0]["train_loss"] == pytest.approx(single_metrics[0]["train_loss"], rel=loss_rel)
+    assert metrics[0]["val_loss"] == pytest.approx(single_metrics[0]["val_loss"], rel=loss_rel)
     worst = worst_difference(_weights(tmp_path), _weights(single_dir))
-    print(f"\n{strategy}/{variant}: 2 ranks vs 1 process after 2 SGD steps: max |dw| = {worst:.3g}")
-    assert worst < 1e-6, f"{strategy}/{variant}: weights after 2 SGD steps differ from one process by {worst}"
+    print(f"{strategy}/{variant}: 2 ranks vs 1 process after 2 SGD steps: max |dw| = {worst:.3g}")
+    assert worst < weight_tol, f"{strategy}/{variant}: weights after 2 SGD steps differ from one process by {worst}"
 
 
 # every anchor is drawn (num_anchors 512): the moved blocks duplicate round starts, so the weights change

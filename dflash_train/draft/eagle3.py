@@ -33,6 +33,10 @@ LLM_KEYS = (
 class Eagle3Draft(LlamaEagle3DraftModel):
     """nemo_automodel's EAGLE-3 draft, with its decoder layers at ``layers`` as the training module shards them."""
 
+    fsdp_forward_methods = ("project_hidden_states", "compute_logits")
+    """Methods the trainer core calls on the root outside its forward: under FSDP2 each gathers the root's
+    parameters (``fc``) as a forward does."""
+
     @property
     def layers(self) -> nn.ModuleList:
         return self.model.layers

@@ -223,7 +223,7 @@ class DFlashDraftModule(L.LightningModule):
         mesh = getattr(self, "device_mesh", None)
         if mesh is None or self._sharded:
             return
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
         policy = MixedPrecisionPolicy(param_dtype=self.settings.fsdp_param_dtype, reduce_dtype=torch.float32)
         dp_mesh = mesh["data_parallel"]
@@ -233,6 +233,8 @@ class DFlashDraftModule(L.LightningModule):
         # the root keeps torch's own rule (gathered through backward): the selector and the loss read its
         # parameters after the draft's forward
         fully_shard(self.draft, mesh=dp_mesh, mp_policy=policy)
+        for method in getattr(self.draft, "fsdp_forward_methods", ()):  # called before its forward (EAGLE-3's fc)
+            register_fsdp_forward_method(self.draft, method)
         self._sharded = True
         log.info("FSDP2: %s; reshard_after_forward=%s", describe_sharding(self.draft), str(reshard).lower())
 
