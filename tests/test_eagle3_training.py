@@ -19,6 +19,7 @@ from transformers import LlamaConfig
 from dflash_train.config import validate_config
 from dflash_train.draft.eagle3 import Eagle3Core, Eagle3Draft
 from dflash_train.draft.eagle3_export import load_eagle3_export
+from dflash_train.draft.export import DraftExportError, load_export
 from dflash_train.errors import ConfigError
 
 TEXTS = list(UTTERANCES.values())
@@ -239,6 +240,8 @@ def test_the_cli_trains_an_eagle3_draft_on_the_demo_recipe(tiny_salm_dir, tiny_t
     export = run_dir / "export"
     assert f'"method": "eagle3", "model": "{export.resolve()}", "num_speculative_tokens": 3' in out, out[-3000:]
     draft = load_eagle3_export(export)
+    with pytest.raises(DraftExportError, match="holds a draft of variant eagle3; this loader and the reference decoder"):
+        load_export(export)  # dflash-eval's loader: one line, no traceback
     chosen = (torch.arange(24) + draft.d2t).tolist()
     counts = _supervised_counts(train_cuts, tiny_target.tokenizer)
     best = sum(count for _, count in counts.most_common(24))

@@ -22,6 +22,7 @@ from dflash_train.cli.common import run_command
 from dflash_train.cli.console import configure_console
 from dflash_train.config import validate_config
 from dflash_train.config.compose import compose_config
+from dflash_train.variants import variant_named
 from dflash_train.config.schema import RunConfig
 from dflash_train.errors import ConfigError
 
@@ -76,7 +77,6 @@ def evaluate_on_validation(run: RunConfig, overrides: list[str], export_dir: Pat
     from dflash_train.cli.eval import publish
     from dflash_train.evaluate.loading import TargetSource
     from dflash_train.evaluate.run import DRAFT, MTP, TARGET_MTP_HEADS, evaluate, prepare
-    from dflash_train.variants import variant_named
 
     json_path = run_dir / EVAL_JSON
     if variant_named(run.dflash.variant).family == "mtp":  # the export is the target with its MTP heads
@@ -111,7 +111,13 @@ def run_demo(overrides: list[str]) -> int:
     print(f"target (vLLM-ready): {target}")
     if summary.export_dir is None:
         return 1
-    status = evaluate_on_validation(validated.run, overrides, summary.export_dir, run_dir)
+    variant = variant_named(validated.run.dflash.variant)
+    if variant.reference_decodes:
+        status = evaluate_on_validation(validated.run, overrides, summary.export_dir, run_dir)
+    else:
+        status = 0
+        print(f"\nno evaluation: the reference decoder does not run {variant.name} drafts yet; serve the export with "
+              "the line above")
     report = write_run_report(run_dir, serve_target=str(target))  # again, now with the serve command's target
     print(f"\nthe run's report (training curves, teacher-forced vs serving acceptance): {report}")
     print(f"wall time: {time.perf_counter() - started:.0f} s")

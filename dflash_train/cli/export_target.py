@@ -12,7 +12,7 @@ from pathlib import Path
 from dflash_train.cli.common import add_debug_argument, run_command
 from dflash_train.cli.console import configure_console
 from dflash_train.files import check_writable_directory
-from dflash_train.target.vllm_export import draft_speculative_tokens, export_target, serve_command
+from dflash_train.target.vllm_export import draft_method, draft_speculative_tokens, export_target, serve_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         out = export_target(args.source, args.out)
         print(f"dflash-export-target: wrote {out}")
         if args.draft:
-            print(serve_command(out, Path(args.draft).resolve(), k))
+            print(serve_command(out, Path(args.draft).resolve(), k, method=draft_method(args.draft)))
         return 0
 
     return run_command("dflash-export-target", body, args.debug)

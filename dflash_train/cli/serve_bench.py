@@ -130,7 +130,7 @@ def _drafts(args: argparse.Namespace):
     from dflash_train.evaluate.loading import export_training_step
     from dflash_train.files import read_json_object
     from dflash_train.constants import CONFIG_FILE
-    from dflash_train.target.vllm_export import draft_speculative_tokens
+    from dflash_train.target.vllm_export import draft_method, draft_speculative_tokens
     from dflash_train.variants import variant_for_architecture
     from dflash_train.vllm_plugin.bench_report import TARGET_ONLY, ServedConfig
 
@@ -144,7 +144,7 @@ def _drafts(args: argparse.Namespace):
         if not name:
             config = read_json_object(Path(path) / CONFIG_FILE, "point --draft at a draft export")
             name = variant_for_architecture((config.get("architectures") or ["?"])[0]).name
-        configs.append(ServedConfig(name, "dflash", str(Path(path).resolve()), k, export_training_step(path)))
+        configs.append(ServedConfig(name, draft_method(path), str(Path(path).resolve()), k, export_training_step(path)))
     if args.mtp is not None:
         if args.mtp < 1:
             raise UsageError(f"--mtp {args.mtp}: K must be >= 1")

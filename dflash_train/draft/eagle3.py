@@ -42,7 +42,7 @@ class Eagle3Draft(LlamaEagle3DraftModel):
         return self.model.layers
 
 
-def draft_config(llm_config, draft_vocab_size: Optional[int], layer_ids) -> LlamaConfig:
+def draft_config(llm_config, draft_vocab_size: Optional[int], layer_ids, ttt_steps: int) -> LlamaConfig:
     """The draft's config from the target LLM's ``llm_config``: its sizes, the target's full vocabulary for
     the embedding table, ``draft_vocab_size`` outputs (all of it when null or not smaller), eager attention,
     and the tapped target blocks ``layer_ids`` in vLLM's numbering (``eagle_aux_hidden_state_layer_ids``: the
@@ -55,7 +55,7 @@ def draft_config(llm_config, draft_vocab_size: Optional[int], layer_ids) -> Llam
         **shared, vocab_size=vocab, draft_vocab_size=draft_vocab, target_hidden_size=text.hidden_size,
         num_hidden_layers=1, num_aux_hidden_states=EAGLE3_TAPS, tie_word_embeddings=False,
         attn_implementation="eager", architectures=["LlamaEagle3DraftModel"],
-        eagle_aux_hidden_state_layer_ids=[int(t) + 1 for t in layer_ids],
+        eagle_aux_hidden_state_layer_ids=[int(t) + 1 for t in layer_ids], ttt_steps=ttt_steps,
     )
 
 
@@ -64,11 +64,12 @@ def draft_taps(draft: LlamaEagle3DraftModel) -> list[int]:
     return [t - 1 for t in draft.config.eagle_aux_hidden_state_layer_ids]
 
 
-def build_eagle3_draft(target, draft_vocab_size: Optional[int], layer_ids, dtype: torch.dtype) -> Eagle3Draft:
+def build_eagle3_draft(target, draft_vocab_size: Optional[int], layer_ids, ttt_steps: int,
+                       dtype: torch.dtype) -> Eagle3Draft:
     """A fresh draft for ``target`` tapping blocks ``layer_ids``, in ``dtype``: the target's embeddings copied and
     frozen (EAGLE-3's default) and the first ``draft_vocab_size`` token ids as its output vocabulary until
     :func:`choose_draft_vocabulary` fits it to the training data."""
-    draft = Eagle3Draft(draft_config(target.llm_config, draft_vocab_size, layer_ids))
+    draft = Eagle3Draft(draft_config(target.llm_config, draft_vocab_size, layer_ids, ttt_steps))
     draft.set_vocab_mapping(torch.arange(draft.draft_vocab_size))
     draft.copy_embeddings_from_target(target.embed_tokens)
     draft.freeze_embeddings()

@@ -101,6 +101,11 @@ def load_export(path: str | Path, attention_backend: str = "sdpa", overrides: di
         variant = variant_for_architecture((raw.get("architectures") or ["?"])[0])
     except ValueError as err:
         raise DraftExportError(f"'{path}': {err}") from None
+    if variant.family != "block":
+        raise DraftExportError(
+            f"'{path}' holds a draft of variant {variant.name}; this loader and the reference decoder take dflash and "
+            "dflash2 exports (an eagle3 draft is served by vLLM with its serve line; MTP heads: dflash-eval --mtp)"
+        )
     raw["dflash_config"] = {**raw.get("dflash_config", {}), **(overrides or {})}
     return _export_form(raw, variant, load_safetensors(path / WEIGHTS_FILE, fix), str(path), attention_backend)
 

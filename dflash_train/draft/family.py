@@ -162,7 +162,8 @@ class Eagle3Drafts:
     def build_draft(self, target, spec, attention_backend):
         from dflash_train.draft.eagle3 import build_eagle3_draft
 
-        return build_eagle3_draft(target, spec.cfg.draft_vocab_size, spec.layer_ids, target.embed_tokens.weight.dtype)
+        return build_eagle3_draft(target, spec.cfg.draft_vocab_size, spec.layer_ids, spec.cfg.ttt_steps,
+                                  target.embed_tokens.weight.dtype)
 
     def build_core(self, draft, target, spec, attention_backend, stable_shapes):
         from dflash_train.draft.eagle3 import Eagle3Core

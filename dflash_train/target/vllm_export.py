@@ -252,15 +252,30 @@ def _link_weights_copy_the_rest(source: str, destination: str) -> None:
 
 
 def draft_speculative_tokens(draft: str | Path) -> int:
-    """K for a draft export: ``block_size - 1`` of its ``dflash_config``."""
-    from dflash_train.files import read_json_object, require_directory
-
-    path = require_directory(draft, f"a draft export ({CONFIG_FILE} + {WEIGHTS_FILE})")
-    config = read_json_object(path / CONFIG_FILE, "point --draft at a draft export written by dflash-train")
+    """K for a draft export: ``block_size - 1`` of its ``dflash_config`` (an EAGLE-3 export: its ``ttt_steps``)."""
+    config = _draft_export_config(draft)
+    if isinstance(config.get("ttt_steps"), int):
+        return config["ttt_steps"]
+    path = Path(draft)
     block_size = (config.get("dflash_config") or {}).get("block_size")
     if not isinstance(block_size, int):
         raise TargetExportError(f"{path / CONFIG_FILE} has no dflash_config.block_size: it is not a draft export")
     return speculative_tokens(block_size)
+
+
+def draft_method(draft: str | Path) -> str:
+    """vLLM's speculative method for a draft export: ``eagle3`` for an EAGLE-3 export, ``dflash`` otherwise."""
+    from dflash_train.variants import variant_for_architecture
+
+    architecture = (_draft_export_config(draft).get("architectures") or ["?"])[0]
+    return "eagle3" if variant_for_architecture(architecture).family == "eagle3" else "dflash"
+
+
+def _draft_export_config(draft: str | Path) -> dict:
+    from dflash_train.files import read_json_object, require_directory
+
+    path = require_directory(draft, f"a draft export ({CONFIG_FILE} + {WEIGHTS_FILE})")
+    return read_json_object(path / CONFIG_FILE, "point --draft at a draft export written by dflash-train")
 
 
 CPU_SERVER_ARGS = {"max_model_len": 1024, "kv_cache_memory_bytes": 256 << 20}

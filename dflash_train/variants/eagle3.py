@@ -59,7 +59,8 @@ class Eagle3(DraftVariant):
     family = "eagle3"
     uses_taps = True
     reads_target_distribution = True
-    serves_on_vllm_cpu = False  # not tried on vLLM's CPU build yet
+    reference_decodes = False  # the reference decoder has no EAGLE-3 chain proposer yet
+    serves_on_vllm_cpu = True  # tests/vllm_serving/test_eagle3.py: greedy-equal on vLLM-CPU
     serving_note = (
         "vLLM's EAGLE-3 proposer feeds the draft token embeddings only, so at audio positions it reads the audio "
         "placeholder token's embedding, as in training"

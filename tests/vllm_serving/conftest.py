@@ -13,6 +13,8 @@ Inputs (``make test-vllm`` prepares them from the demo; each can be overridden b
   skipped with its reason, or fails under ``DFLASH_VLLM_REQUIRE_TRAINED=1``;
 - ``DFLASH_VLLM_MTP_EXPORT``: the demo's target with trained MTP heads (runs/demo-mtp/export,
   the demo trained with ``dflash=mtp``); required under ``DFLASH_VLLM_REQUIRE_TRAINED=1``;
+- ``DFLASH_VLLM_EAGLE3_EXPORT``: the demo trained as EAGLE-3 (runs/demo-eagle3/export, ``dflash=eagle3``);
+  required under ``DFLASH_VLLM_REQUIRE_TRAINED=1``;
 - ``DFLASH_VLLM_CUTS``: the demo's validation set (demo_assets/data/val_cuts.jsonl.gz).
 
 Untrained drafts of the trained draft's shape are built here (seeded).
