@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_train.errors import InputFileError
+from dflash_train.errors import ConfigError, InputFileError
 
 
 def require_directory(path: str | Path, what: str) -> Path:
@@ -101,6 +101,15 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def require_same_shapes(ours: dict, theirs: dict, what: str) -> None:
+    """Every tensor of ``ours`` has its shape in ``theirs`` (a warm start of the same keys); else one line naming
+    the first that differ, ``what`` saying what ``theirs`` holds (e.g. "dflash.init_from_pretrained='P' holds
+    MTP heads of another target's shape")."""
+    shapes = [f"{k} {tuple(theirs[k].shape)} vs {tuple(ours[k].shape)}" for k in ours if theirs[k].shape != ours[k].shape]
+    if shapes:
+        raise ConfigError(f"{what}: {shapes[:4]}")
+
+
 def load_state_exactly(module, weights: dict, source: str | Path, part: str, assign: bool = False) -> None:
     """Load ``weights`` into ``module`` with no key missing or left over; else one line naming the first ones.
 
@@ -108,8 +117,6 @@ def load_state_exactly(module, weights: dict, source: str | Path, part: str, ass
     where a partial load would run silently wrong. ``assign``: the tensors become the parameters
     (a module built on the meta device), instead of being copied into them.
     """
-    from dflash_train.errors import ConfigError
-
     expected = set(module.state_dict())
     missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if missing or unexpected:

@@ -81,7 +81,7 @@ def test_wrong_audio_tag_and_missing_weights_are_one_line_errors(exported, tmp_p
 def test_serve_command_uses_k_of_block_size_minus_one(exported, tmp_path, capsys):
     draft = tmp_path / "draft"
     draft.mkdir()
-    (draft / "config.json").write_text(json.dumps({"dflash_config": {"block_size": 8}}))
+    (draft / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], "dflash_config": {"block_size": 8}}))
     assert main([str(exported), str(exported), "--draft", str(draft)]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line == serve_command(exported, draft, 7)

@@ -20,7 +20,7 @@ from dflash_train.constants import CONFIG_FILE, WEIGHTS_FILE
 from dflash_train.draft.eagle3 import Eagle3Draft, draft_taps
 from dflash_train.draft.export import DraftExportError
 from dflash_train.errors import ConfigError
-from dflash_train.files import read_json_object, require_directory
+from dflash_train.files import read_json_object, require_directory, require_same_shapes
 from dflash_train.variants.eagle3 import EAGLE3_VARIANT
 
 SHARED_WEIGHT = "model.embed_tokens.weight"
@@ -115,8 +115,6 @@ def warm_start_eagle3(draft: Eagle3Draft, path: str | Path) -> None:
             f"{draft_taps(draft)}; set dflash.target_layer_ids={draft_taps(stored)}"
         )
     ours, theirs = draft.state_dict(), stored.state_dict()
-    shapes = [f"{k} {tuple(theirs[k].shape)} vs {tuple(ours[k].shape)}" for k in ours if theirs[k].shape != ours[k].shape]
-    if shapes:
-        raise ConfigError(f"dflash.init_from_pretrained='{path}' holds an EAGLE-3 draft of another shape: {shapes[:4]}")
+    require_same_shapes(ours, theirs, f"dflash.init_from_pretrained='{path}' holds an EAGLE-3 draft of another shape")
     theirs[SHARED_WEIGHT] = ours[SHARED_WEIGHT]
     draft.load_state_dict(theirs, strict=True)

@@ -17,6 +17,7 @@ import torch
 from dflash_train.constants import CONFIG_FILE, MTP_WEIGHT_PREFIX, WEIGHTS_FILE
 from dflash_train.draft.mtp import MTPBlock, MTPStep
 from dflash_train.errors import ConfigError
+from dflash_train.files import require_same_shapes
 
 
 class MTPExportError(RuntimeError):
@@ -111,8 +112,6 @@ def warm_start_mtp(step: MTPStep, path: str | Path) -> int:
             f"uses {step.pattern!r}; set dflash.hybrid_override_pattern={stored.pattern!r}"
         )
     ours, theirs = step.state_dict(), stored.state_dict()
-    shapes = [f"{k} {tuple(theirs[k].shape)} vs {tuple(ours[k].shape)}" for k in ours if theirs[k].shape != ours[k].shape]
-    if shapes:
-        raise ConfigError(f"dflash.init_from_pretrained='{path}' holds MTP heads of another target's shape: {shapes[:4]}")
+    require_same_shapes(ours, theirs, f"dflash.init_from_pretrained='{path}' holds MTP heads of another target's shape")
     step.load_state_dict(theirs, strict=True)
     return heads

@@ -109,6 +109,12 @@ def changed_from_default(cfg: DFlashConfig, keys) -> list[str]:
     return [key for key in keys if getattr(cfg, key) != getattr(defaults, key)]
 
 
+def unused_key_problems(cfg: DFlashConfig, keys, variant: str) -> Iterator[str]:
+    """One line per key of ``keys`` (shared-schema keys ``variant`` has no use for) set to other than its default."""
+    for key in changed_from_default(cfg, keys):
+        yield f"dflash.{key} is a DFlash key the {variant} variant does not use; remove it (override ~dflash.{key})"
+
+
 ON_POLICY_KEYS = ("on_policy_anchor_fraction", "on_policy_reverse_kl_weight", "on_policy_after_rejection_weight")
 """The on-policy stage's keys besides ``on_policy_from_step``: they mean nothing while the stage is off."""
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from dflash_train.variants.base import DFlashConfig, DraftVariant, changed_from_default
+from dflash_train.variants.base import DFlashConfig, DraftVariant, unused_key_problems
 
 EAGLE3_TAPS = 3
 """Target layers EAGLE-3 fuses (low, middle, high): nemo_automodel's and vLLM's drafts expect exactly three."""
@@ -84,8 +84,7 @@ class Eagle3(DraftVariant):
                 "(low, middle, high); list three, or null to derive them from the target's depth"
             )
         yield from super().config_problems(cfg)
-        for key in changed_from_default(cfg, DFLASH_ONLY_KEYS):
-            yield f"dflash.{key} is a DFlash key the eagle3 variant does not use; remove it (override ~dflash.{key})"
+        yield from unused_key_problems(cfg, DFLASH_ONLY_KEYS, "eagle3")
         if cfg.attention_backend == "flex_attention":
             yield (
                 "dflash.attention_backend=flex_attention: nemo_automodel's EAGLE-3 draft trains with its eager "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_train.variants.base import DFlashConfig, DraftVariant, changed_from_default
+from dflash_train.variants.base import DFlashConfig, DraftVariant, unused_key_problems
 
 
 @dataclass
@@ -78,8 +78,7 @@ class MTP(DraftVariant):
                 "sublayers only ('*', e.g. '*' or '**')"
             )
         yield from super().config_problems(cfg)
-        for key in changed_from_default(cfg, DFLASH_ONLY_KEYS):
-            yield f"dflash.{key} is a DFlash key the mtp variant does not use; remove it (override ~dflash.{key})"
+        yield from unused_key_problems(cfg, DFLASH_ONLY_KEYS, "mtp")
         if cfg.attention_backend == "flex_attention":
             yield "dflash.attention_backend=flex_attention: the MTP step trains with sdpa; set it to sdpa or null"
 
