@@ -143,7 +143,8 @@ class SpeechDataModule(L.LightningDataModule):
     def supervised_sample(self, limit: int) -> Iterator[dict[str, torch.Tensor]]:
         """The training inputs' first ``limit`` usable examples in file order, unsharded (the same on every rank),
         as ``{"input_ids", "loss_mask"}`` rows of one: what counting the data's supervised tokens reads (an
-        EAGLE-3 draft vocabulary). Reads no audio; its skips are not counted (training counts them)."""
+        EAGLE-3 draft vocabulary). Decodes no audio (tarred inputs are read through to those examples); its skips
+        are not counted (training counts them)."""
         streams = self._streams(self.cfg.train_ds.input_cfg, self.cfg.train_ds, sharded=False, skips=SkipCounter())
         for example in islice(chain.from_iterable(streams), limit):
             yield {"input_ids": torch.from_numpy(example.input_ids)[None],
