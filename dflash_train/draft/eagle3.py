@@ -35,7 +35,7 @@ class Eagle3Draft(LlamaEagle3DraftModel):
 
     fsdp_forward_methods = ("project_hidden_states", "compute_logits")
     """Methods the trainer core calls on the root outside its forward: under FSDP2 each gathers the root's
-    parameters (``fc``) as a forward does."""
+    parameters (``fc``, ``norm``, ``lm_head``) as a forward does."""
 
     @property
     def layers(self) -> nn.ModuleList:

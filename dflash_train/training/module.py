@@ -233,7 +233,7 @@ class DFlashDraftModule(L.LightningModule):
         # the root keeps torch's own rule (gathered through backward): the selector and the loss read its
         # parameters after the draft's forward
         fully_shard(self.draft, mesh=dp_mesh, mp_policy=policy)
-        for method in getattr(self.draft, "fsdp_forward_methods", ()):  # called before its forward (EAGLE-3's fc)
+        for method in getattr(self.draft, "fsdp_forward_methods", ()):  # called outside its forward (EAGLE-3)
             register_fsdp_forward_method(self.draft, method)
         self._sharded = True
         log.info("FSDP2: %s; reshard_after_forward=%s", describe_sharding(self.draft), str(reshard).lower())
