@@ -562,7 +562,8 @@ def train(validated: ValidatedConfig, datamodule_factory=None, callbacks: tuple[
 
     target, spec, half = setup_target(run, data_parallel_size(run, trainer_kwargs))
     datamodule = datamodule_factory(run, target)
-    draft = setup_draft(run, target, spec, backend, datamodule)
+    # a resume restores what a fresh draft took from the data (EAGLE-3's vocabulary) with its checkpoint
+    draft = setup_draft(run, target, spec, backend, datamodule if paths.resume_from is None else None)
     module = setup_module(run, target, draft, spec, backend, datamodule, half, trainer_kwargs)
     trainer, recipe_callbacks = setup_trainer(run, trainer_kwargs, accelerator, paths, half,
                                               module.settings.optim.accumulate_grad_batches)
