@@ -152,7 +152,7 @@ def _eagle3_recipe(salm_dir, run_dir, *extra):
         ("dflash.target_layer_ids=[0,1]", "dflash.target_layer_ids=[0, 1]: EAGLE-3 fuses exactly 3 distinct"),
         ("dflash.block_size=4",
          "dflash.block_size is a DFlash key the eagle3 variant does not use; remove it (override ~dflash.block_size)"),
-        ("dflash.serving_val_samples=4", "dflash.serving_val_samples=4: serving validation has no EAGLE-3 proposer"),
+        ("dflash.target_layer_ids=[2,0,1]", "dflash.target_layer_ids=[2, 0, 1]: list them in ascending order"),
         ("dflash.attention_backend=flex_attention", "dflash.attention_backend=flex_attention: nemo_automodel's EAGLE-3"),
         ("dflash.draft_vocab_size=0", "dflash.draft_vocab_size=0 must be >= 1"),
         ("dflash.draft_vocab_samples=0", "dflash.draft_vocab_samples=0 must be >= 1"),
@@ -221,9 +221,11 @@ def _supervised_counts(cuts_path, tokenizer) -> Counter:
 
 
 def test_the_cli_trains_an_eagle3_draft_on_the_demo_recipe(tiny_salm_dir, tiny_target, demo_data, tmp_path):
-    """The user's path: ``dflash-train --config-name=demo dflash=eagle3``; the end-of-run summary names the
-    eagle3 serve line, the export reloads strictly, and its draft vocabulary is the training answers' most
-    frequent tokens (the end of turn among them), covering more of them than any other choice of its size."""
+    """The user's path: ``dflash-train --config-name=demo dflash=eagle3``, then ``dflash-eval --draft`` on the
+    export. The end-of-run summary names the eagle3 serve line; the export reloads strictly; its draft
+    vocabulary is the training answers' most frequent tokens (the end of turn among them), covering more of
+    them than any other choice of its size; and the reference decoder decodes the export greedy-equal, at
+    the MAL serving validation reported for the same step and records."""
     train_cuts, val_cuts = demo_data
     run_dir = tmp_path / "run"
     args = [
@@ -231,6 +233,7 @@ def test_the_cli_trains_an_eagle3_draft_on_the_demo_recipe(tiny_salm_dir, tiny_t
         f"data.train_ds.input_cfg.0.cuts_path={train_cuts}", f"data.validation_ds.input_cfg.0.cuts_path={val_cuts}",
         "data.train_ds.bucket_estimate_samples=20", "trainer.max_steps=4", "trainer.val_check_interval=4",
         "trainer.limit_val_batches=1", "dflash.ttt_steps=3", "dflash.draft_vocab_size=24",
+        "dflash.serving_val_samples=3", "dflash.serving_val_max_new_tokens=16",
         f"exp_manager.explicit_log_dir={run_dir}",
     ]
     proc = subprocess.run([sys.executable, "-m", "dflash_train", *args], cwd=tmp_path, capture_output=True, text=True,
@@ -240,8 +243,8 @@ def test_the_cli_trains_an_eagle3_draft_on_the_demo_recipe(tiny_salm_dir, tiny_t
     export = run_dir / "export"
     assert f'"method": "eagle3", "model": "{export.resolve()}", "num_speculative_tokens": 3' in out, out[-3000:]
     draft = load_eagle3_export(export)
-    with pytest.raises(DraftExportError, match="holds a draft of variant eagle3; this loader and the reference decoder"):
-        load_export(export)  # dflash-eval's loader: one line, no traceback
+    with pytest.raises(DraftExportError, match="holds a draft of variant eagle3; this loader takes dflash and dflash2"):
+        load_export(export)  # the block loader: one line, no traceback
     chosen = (torch.arange(24) + draft.d2t).tolist()
     counts = _supervised_counts(train_cuts, tiny_target.tokenizer)
     best = sum(count for _, count in counts.most_common(24))
@@ -249,3 +252,18 @@ def test_the_cli_trains_an_eagle3_draft_on_the_demo_recipe(tiny_salm_dir, tiny_t
     assert sum(counts[t] for t in chosen) >= 0.95 * best > 1.5 * sum(counts[t] for t in range(24)), (chosen, counts)
     losses = [float(x) for x in re.findall(r"final train loss ([0-9.]+)", out)]
     assert losses and all(l == l for l in losses), out[-3000:]
+    report = tmp_path / "eval.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_train.cli.eval", "--config-name=demo", "--draft", str(export), "--limit", "3",
+         "--max-new-tokens", "16", "--json", str(report), f"model.pretrained_name={tiny_salm_dir}",
+         f"data.validation_ds.input_cfg.0.cuts_path={val_cuts}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    data = json.loads(report.read_text())
+    assert data["settings"]["num_speculative_tokens"] == 3  # the export's ttt_steps
+    evaluated = data["drafts"]["draft"]
+    assert evaluated["greedy_equal"] and evaluated["acceptance"]["rounds"] > 0, evaluated
+    info = json.loads((export / "config.json").read_text())["training_info"]
+    assert info["val_step"] == 4
+    assert evaluated["acceptance"]["mal"] == pytest.approx(info["val_serving_mal"], abs=1e-9), (evaluated, info)

@@ -86,7 +86,7 @@ class TargetOracle:
         self.wrong_at = wrong_at  # round -> proposal index made wrong on purpose (None: all right)
         self.rounds = 0
 
-    def start(self, prompt_embeds, prefill):
+    def start(self, prompt_embeds, prefill, prompt_ids=None):
         self.session = TargetSession(self.target)
         self.session.prefill(prompt_embeds)
 
@@ -119,7 +119,7 @@ def _check_bookkeeping(decoded, k, max_new):
 class RecordingProposer(DraftProposer):
     """The real proposer, keeping each round's bonus position and proposals."""
 
-    def start(self, prompt_embeds, prefill):
+    def start(self, prompt_embeds, prefill, prompt_ids=None):
         super().start(prompt_embeds, prefill)
         self.prompt_length, self.proposals = prompt_embeds.shape[1], []
 
@@ -189,7 +189,7 @@ def test_partial_acceptance_is_counted_exactly_and_stays_greedy_equal(tiny_targe
 class ContextRecomputingProposer(DraftProposer):
     """The same draft without a KV cache: each round re-reads every verified feature from position 0."""
 
-    def start(self, prompt_embeds, prefill):
+    def start(self, prompt_embeds, prefill, prompt_ids=None):
         super().start(prompt_embeds, prefill)
         self.verified = prefill.features
 

@@ -108,7 +108,7 @@ def test_an_echo_head_proposes_the_token_it_was_given(checkpoints, requests):
 class Recording(MTPProposer):
     """The real proposer, keeping every round's bonus position and proposals."""
 
-    def start(self, prompt_embeds, prefill):
+    def start(self, prompt_embeds, prefill, prompt_ids=None):
         super().start(prompt_embeds, prefill)
         self.rounds = []
 
@@ -122,7 +122,7 @@ class RecomputingProposer(Recording):
     """The same step without keeping entries between rounds: every round recomputes every verified entry
     from the embeddings and hidden states it collected itself."""
 
-    def start(self, prompt_embeds, prefill):
+    def start(self, prompt_embeds, prefill, prompt_ids=None):
         super().start(prompt_embeds, prefill)
         self.all_hidden, self.all_next = prefill.hidden, prompt_embeds[0, 1:]
 
@@ -164,7 +164,7 @@ class EntryRecorder(MTPProposer):
         super().__init__(step, target, k)
         self.oracle = oracle
 
-    def start(self, prompt_embeds, prefill):
+    def start(self, prompt_embeds, prefill, prompt_ids=None):
         super().start(prompt_embeds, prefill)
         self.first_pass, self.prompt_length = [], prompt_embeds.shape[1]
 

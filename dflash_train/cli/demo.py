@@ -111,13 +111,7 @@ def run_demo(overrides: list[str]) -> int:
     print(f"target (vLLM-ready): {target}")
     if summary.export_dir is None:
         return 1
-    variant = variant_named(validated.run.dflash.variant)
-    if variant.reference_decodes:
-        status = evaluate_on_validation(validated.run, overrides, summary.export_dir, run_dir)
-    else:
-        status = 0
-        print(f"\nno evaluation: the reference decoder does not run {variant.name} drafts yet; serve the export with "
-              "the line above")
+    status = evaluate_on_validation(validated.run, overrides, summary.export_dir, run_dir)
     report = write_run_report(run_dir, serve_target=str(target))  # again, now with the serve command's target
     print(f"\nthe run's report (training curves, teacher-forced vs serving acceptance): {report}")
     print(f"wall time: {time.perf_counter() - started:.0f} s")

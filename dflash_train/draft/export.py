@@ -103,8 +103,8 @@ def load_export(path: str | Path, attention_backend: str = "sdpa", overrides: di
         raise DraftExportError(f"'{path}': {err}") from None
     if variant.family != "block":
         raise DraftExportError(
-            f"'{path}' holds a draft of variant {variant.name}; this loader and the reference decoder take dflash and "
-            "dflash2 exports (an eagle3 draft is served by vLLM with its serve line; MTP heads: dflash-eval --mtp)"
+            f"'{path}' holds a draft of variant {variant.name}; this loader takes dflash and dflash2 exports (an "
+            "eagle3 export: dflash_train.draft.eagle3_export.load_eagle3_export; MTP heads: dflash-eval --mtp)"
         )
     raw["dflash_config"] = {**raw.get("dflash_config", {}), **(overrides or {})}
     return _export_form(raw, variant, load_safetensors(path / WEIGHTS_FILE, fix), str(path), attention_backend)

@@ -17,6 +17,9 @@ One request at a time (batching changes no greedy token and no counter):
 5. Output tokens are checked one by one for a stop token and the token limit, as vLLM
    does after each step; counters record the round before truncation, as vLLM's do.
 
+MTP heads and EAGLE-3 drafts propose by a chain instead (step 2): K autoregressive steps, each
+reading the previous step's token and hidden state (:class:`MTPProposer`, :class:`Eagle3Proposer`).
+
 :func:`greedy_decode` is the target alone under the same stop rule: the reference the
 speculative output must equal token for token.
 """
@@ -24,7 +27,7 @@ speculative output must equal token for token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -72,8 +75,9 @@ class Proposer(Protocol):
 
     num_speculative_tokens: int
 
-    def start(self, prompt_embeds: torch.Tensor, prefill: StepOutput) -> None:
-        """A new request: the prompt's embeddings ``[1, S, H]`` and what the target computed for it."""
+    def start(self, prompt_embeds: torch.Tensor, prefill: StepOutput, prompt_ids: Optional[torch.Tensor]) -> None:
+        """A new request: the prompt's embeddings ``[1, S, H]``, what the target computed for it and its token
+        ids ``[S]`` as vLLM holds them (the audio placeholder at audio frames; ``None`` if the caller has none)."""
 
     def propose(self, bonus: int, position: int) -> list[int]:
         """K proposals following ``bonus``, which sits at ``position``."""
@@ -92,16 +96,19 @@ def greedy_decode(session: TargetSession, prompt_embeds: torch.Tensor, rule: Sto
 
 
 def speculative_decode(
-    session: TargetSession, proposer: Proposer, prompt_embeds: torch.Tensor, rule: StopRule
+    session: TargetSession, proposer: Proposer, prompt_embeds: torch.Tensor, rule: StopRule,
+    prompt_ids: Optional[torch.Tensor] = None,
 ) -> Decoded:
-    """Speculative greedy decoding of one request (module docstring, steps 1-5)."""
+    """Speculative greedy decoding of one request (module docstring, steps 1-5); ``prompt_ids``: the prompt's
+    token ids as vLLM holds them (:func:`~dflash_train.evaluate.requests.prompt_inputs`), which a proposer
+    reading token ids at prompt positions (EAGLE-3) needs."""
     k = proposer.num_speculative_tokens
     out = Decoded()
     step = session.prefill(prompt_embeds)
     bonus = int(step.logits[-1].argmax())
     if out.append([bonus], rule):
         return out
-    proposer.start(prompt_embeds, step)
+    proposer.start(prompt_embeds, step, prompt_ids)
     position = prompt_embeds.shape[1]
     while True:
         drafts = proposer.propose(bonus, position)
@@ -145,7 +152,7 @@ class DraftProposer:
         self._cache = None
         self._pending: torch.Tensor | None = None
 
-    def start(self, prompt_embeds: torch.Tensor, prefill: StepOutput) -> None:
+    def start(self, prompt_embeds: torch.Tensor, prefill: StepOutput, prompt_ids: Optional[torch.Tensor] = None) -> None:
         from transformers import DynamicCache
 
         self._cache = DynamicCache(config=self.draft.config)
@@ -198,7 +205,7 @@ class MTPProposer:
         device = self.target.embed_tokens.weight.device
         return self.target.embed_tokens(torch.tensor(list(token_ids), dtype=torch.long, device=device))
 
-    def start(self, prompt_embeds: torch.Tensor, prefill: StepOutput) -> None:
+    def start(self, prompt_embeds: torch.Tensor, prefill: StepOutput, prompt_ids: Optional[torch.Tensor] = None) -> None:
         self._cache = self.step.new_cache()
         self._hidden = prefill.hidden
         self._next_embeds = prompt_embeds[0, 1:]
@@ -221,11 +228,78 @@ class MTPProposer:
         self._next_embeds = self._embed(token_ids[1:])
 
 
+class Eagle3Proposer:
+    """An EAGLE-3 draft's chain of K steps, as vLLM's EAGLE-3 proposer runs it.
+
+    Draft slot *t* reads the embedding of token *t + 1* (vLLM's token ids: at audio frames the audio
+    placeholder, as in training) and the fused taps of target position *t* (``fc`` of the three), at
+    RoPE position *t*. Every verified position with a known next token has a slot; the newest waits for
+    the bonus, and its output proposes ``d_1``. Step *k* appends a slot reading ``d_k`` and the previous
+    step's output hidden state (pre-final-norm), proposing ``d_{k+1}``; those slots are dropped after
+    the round, as vLLM overwrites them. The draft's outputs are over its vocabulary and map to target
+    ids through ``d2t``.
+
+    Each step runs the draft over all its slots (nemo_automodel's draft has no incremental cache):
+    exact, and O(K * context) per round — a reference, not a fast path.
+    """
+
+    def __init__(self, draft: nn.Module, target: FrozenTarget, num_speculative_tokens: int):
+        from dflash_train.draft.eagle3 import selected_tokens
+
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
+        self.draft = draft.eval()
+        self.target = target
+        self.num_speculative_tokens = num_speculative_tokens
+        self._target_ids = selected_tokens(draft)[0].tolist()  # draft output id -> target token id
+        self._next_tokens: Optional[torch.Tensor] = None  # token t + 1 of every slot but the newest
+        self._context: Optional[torch.Tensor] = None  # fc(taps at t) of every slot [n, H]
+
+    def start(self, prompt_embeds: torch.Tensor, prefill: StepOutput, prompt_ids: Optional[torch.Tensor] = None) -> None:
+        if prompt_ids is None:
+            raise ValueError("an EAGLE-3 draft reads the prompt's token ids: pass prompt_ids to speculative_decode")
+        device = self.draft.model.fc.weight.device
+        self._next_tokens = prompt_ids[1:].to(device)
+        self._context = self._project(prefill.features)
+
+    @torch.no_grad()
+    def _project(self, features: torch.Tensor) -> torch.Tensor:
+        return self.draft.project_hidden_states(features.to(self.draft.model.fc.weight.dtype))
+
+    @torch.no_grad()
+    def propose(self, bonus: int, position: int) -> list[int]:
+        tokens = torch.cat([self._next_tokens, self._next_tokens.new_tensor([bonus])])
+        hidden = self._context
+        if tokens.shape[0] != position:
+            raise RuntimeError(f"the draft holds {tokens.shape[0]} slots for a bonus at position {position}")
+        drafts: list[int] = []
+        while True:
+            slots = tokens.shape[0]
+            out = self.draft(
+                input_ids=tokens[None],
+                projected_hidden_states=hidden[None],
+                attention_mask=torch.ones(1, slots, dtype=torch.long, device=tokens.device),
+                position_ids=torch.arange(slots, device=tokens.device)[None],
+            )[0, -1:]
+            drafts.append(self._target_ids[int(self.draft.compute_logits(out).argmax(dim=-1))])
+            if len(drafts) == self.num_speculative_tokens:
+                return drafts
+            tokens = torch.cat([tokens, tokens.new_tensor(drafts[-1:])])
+            hidden = torch.cat([hidden, out])
+
+    def extend(self, token_ids: Sequence[int], verified: StepOutput) -> None:
+        self._next_tokens = torch.cat([self._next_tokens, self._next_tokens.new_tensor(list(token_ids))])
+        self._context = torch.cat([self._context, self._project(verified.features)])
+
+
 def proposer_for(draft: nn.Module, target: FrozenTarget, num_speculative_tokens: int) -> tuple[Proposer, list[int]]:
-    """The proposer decoding with ``draft`` (an MTP step, or a DFlash / DFlash2 draft in its export form)
-    and the target blocks its session must tap for it."""
+    """The proposer decoding with ``draft`` (an MTP step, an EAGLE-3 draft, or a DFlash / DFlash2 draft in its
+    export form) and the target blocks its session must tap for it."""
+    from dflash_train.draft.eagle3 import Eagle3Draft, draft_taps
     from dflash_train.draft.mtp import MTPStep
 
     if isinstance(draft, MTPStep):
         return MTPProposer(draft, target, num_speculative_tokens), []
+    if isinstance(draft, Eagle3Draft):
+        return Eagle3Proposer(draft, target, num_speculative_tokens), sorted(draft_taps(draft))  # vLLM's order
     return DraftProposer(draft, target, num_speculative_tokens), list(draft.target_layer_ids)

@@ -105,19 +105,32 @@ def load_target(model: ModelConfig, device: str, dtype: str, perception_dtype: O
 
 
 def load_draft(path: str, target: FrozenTarget, device: str, dtype: str) -> nn.Module:
-    """An exported draft, checked against the target it will propose for."""
+    """An exported draft (DFlash / DFlash2, or EAGLE-3 with the target's embedding table, which its export
+    shares as vLLM serves it), checked against the target it will propose for."""
     from dflash_train.draft import load_export
+    from dflash_train.draft.eagle3 import draft_taps
+    from dflash_train.draft.eagle3_export import load_eagle3_export
+    from dflash_train.target.vllm_export import draft_method
 
-    draft = load_export(path)
-    config = draft.config
-    bad_taps = [i for i in draft.target_layer_ids if not 0 <= i < target.num_layers]
     problems = []
+    if draft_method(path) == "eagle3":
+        draft = load_eagle3_export(path)
+        taps, vocab = draft_taps(draft), draft.model.embed_tokens.num_embeddings
+        if vocab != target.vocab_size:
+            problems.append(f"vocab_size {vocab} != the target's {target.vocab_size}")
+        elif draft.config.hidden_size == target.hidden_size:
+            draft.copy_embeddings_from_target(target.embed_tokens)
+    else:
+        draft = load_export(path)
+        taps = draft.target_layer_ids
+        if draft.mask_token_id is None or not 0 <= draft.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {draft.mask_token_id} outside the target's {target.vocab_size} embeddings")
+    config = draft.config
+    bad_taps = [i for i in taps if not 0 <= i < target.num_layers]
     if config.hidden_size != target.hidden_size:
         problems.append(f"hidden_size {config.hidden_size} != the target's {target.hidden_size}")
     if bad_taps:
-        problems.append(f"target_layer_ids {bad_taps} outside the target's {target.num_layers} blocks")
-    if draft.mask_token_id is None or not 0 <= draft.mask_token_id < target.vocab_size:
-        problems.append(f"mask_token_id {draft.mask_token_id} outside the target's {target.vocab_size} embeddings")
+        problems.append(f"target layers {bad_taps} tapped, outside the target's {target.num_layers} blocks")
     if problems:
         raise ConfigError(f"draft '{path}' does not fit the target: {'; '.join(problems)}")
     return draft.to(device=torch.device(device), dtype=torch_dtype(dtype)).eval()

@@ -132,12 +132,18 @@ def read_requests(
 
 
 @torch.no_grad()
+def prompt_inputs(target: FrozenTarget, prompt: Example) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's LLM inputs ``[1, S, H]`` (audio loaded, encoded and spliced as in training) and its token
+    ids ``[S]`` as vLLM holds them: the audio placeholder at every audio frame."""
+    placeholder = target.audio_locator_tag_id
+    batch = collate_padded([prompt], target.pad_id, "eval").with_placements(placeholder)
+    spliced = target.splice_batch(batch.to(target.embed_tokens.weight.device), placeholder)
+    return spliced.inputs_embeds.to(target.embed_tokens.weight.dtype), spliced.input_ids[0]
+
+
 def prompt_embeddings(target: FrozenTarget, prompt: Example) -> torch.Tensor:
     """The prompt's LLM inputs ``[1, S, H]``: audio loaded, encoded and spliced as in training."""
-    batch = collate_padded([prompt], target.pad_id, "eval").with_placements(target.audio_locator_tag_id)
-    # the id written at audio frames is irrelevant here: only the embeddings are used
-    spliced = target.splice_batch(batch.to(target.embed_tokens.weight.device), target.pad_id)
-    return spliced.inputs_embeds.to(target.embed_tokens.weight.dtype)
+    return prompt_inputs(target, prompt)[0]
 
 
 def reply_text(prompt_format: ChatMLFormat, decoded: Decoded) -> str:

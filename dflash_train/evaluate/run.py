@@ -35,12 +35,13 @@ from dflash_train.evaluate.requests import (
     EvalRequest,
     RequestFailure,
     greedy_reply,
-    prompt_embeddings,
+    prompt_inputs,
     read_requests,
     reply_text,
 )
 from dflash_train.evaluate.session import TargetSession
 from dflash_train.progress import progress
+from dflash_train.target.vllm_export import draft_speculative_tokens
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,8 @@ def prepare(
 ) -> tuple[EvalSettings, Loaded]:
     """Resolve defaults (flags first, then the recipe's validation input and prompt) and load everything.
 
-    K defaults to ``block_size - 1`` of the drafts, which must agree on it in a comparison.
+    K defaults to what each draft serves with (``block_size - 1``; an EAGLE-3 draft's ``ttt_steps``), which
+    the drafts must agree on in a comparison.
     """
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {max_new_tokens} must be >= 1")
@@ -133,7 +135,7 @@ def prepare(
             loaded_drafts[name], served_k[name] = load_mtp_heads(context.checkpoint(), context.target, device, dtype)
         else:
             loaded_drafts[name] = load_draft(path, context.target, device, dtype)
-            served_k[name] = int(loaded_drafts[name].block_size) - 1
+            served_k[name] = draft_speculative_tokens(path)
     if num_speculative_tokens is None:
         if len(set(served_k.values())) != 1:
             raise ConfigError(f"the drafts serve different K {served_k}; pass --num-speculative-tokens")
@@ -203,14 +205,14 @@ def evaluate_request(settings: EvalSettings, loaded: Loaded, request: EvalReques
     """Target-only and speculative greedy decoding of one request."""
     target = loaded.context.target
     rule = StopRule(settings.max_new_tokens, frozenset(settings.stop_token_ids))
-    embeds = prompt_embeddings(target, request.prompt)
+    embeds, ids = prompt_inputs(target, request.prompt)
 
     prompt_format = loaded.context.prompt_format
     reference, reference_text = greedy_reply(target, prompt_format, embeds, rule)
     outputs = {}
     for name, draft in loaded.drafts.items():
         proposer, layer_ids = proposer_for(draft, target, settings.num_speculative_tokens)
-        decoded = speculative_decode(TargetSession(target, layer_ids), proposer, embeds, rule)
+        decoded = speculative_decode(TargetSession(target, layer_ids), proposer, embeds, rule, ids)
         outputs[name] = _generation(decoded, reply_text(prompt_format, decoded))
     return SampleResult(request.index, request.id, request.reference, _generation(reference, reference_text), outputs)
 

@@ -28,7 +28,7 @@ from dflash_train.data.prompt import ChatMLFormat
 from dflash_train.evaluate.counters import AcceptanceCounters
 from dflash_train.evaluate.decoder import StopRule, proposer_for, speculative_decode
 from dflash_train.evaluate.loading import default_stop_token_ids
-from dflash_train.evaluate.requests import RequestFailure, prompt_embeddings, read_requests
+from dflash_train.evaluate.requests import RequestFailure, prompt_inputs, read_requests
 from dflash_train.evaluate.session import TargetSession
 from dflash_train.progress import progress
 from dflash_train.target.base import FrozenTarget
@@ -64,10 +64,10 @@ class ServingValidation:
         self.system_prompt = system_prompt
         self.settings = settings
         self.rule = StopRule(settings.max_new_tokens, frozenset(default_stop_token_ids(prompt_format)))
-        self._prompts: Optional[list[torch.Tensor]] = None  # this rank's prompt embeddings (the target is frozen)
+        self._prompts: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # this rank's (embeddings, ids)
         self._failures = 0  # this rank's records that could not become a request (counted, not decoded)
 
-    def _own_prompts(self, target: FrozenTarget, rank: int, world_size: int) -> list[torch.Tensor]:
+    def _own_prompts(self, target: FrozenTarget, rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self._prompts is None:
             self._prompts = []
             requests = read_requests(
@@ -82,7 +82,7 @@ class ServingValidation:
                         self._failures += 1
                         log.warning("serving validation: sample %s cannot be decoded: %s", request.id, request.error)
                         continue
-                    self._prompts.append(prompt_embeddings(target, request.prompt))
+                    self._prompts.append(prompt_inputs(target, request.prompt))  # the target is frozen
         return self._prompts
 
     @torch.no_grad()
@@ -93,8 +93,9 @@ class ServingValidation:
         proposer, layer_ids = proposer_for(draft, target, k)
         counters = AcceptanceCounters(k)
         prompts = self._own_prompts(target, rank, world_size)
-        for embeds in progress(prompts, "serving validation", total=len(prompts), every=SERVING_LOG_EVERY, transient=True):
-            decoded = speculative_decode(TargetSession(target, layer_ids), proposer, embeds, self.rule)
+        for embeds, ids in progress(prompts, "serving validation", total=len(prompts), every=SERVING_LOG_EVERY,
+                                    transient=True):
+            decoded = speculative_decode(TargetSession(target, layer_ids), proposer, embeds, self.rule, ids)
             counters = counters + AcceptanceCounters.from_rounds(k, decoded.accepted_per_round)
         values = [counters.rounds, counters.accepted, self._failures, *counters.accepted_per_position]
         return torch.tensor(values, dtype=torch.float64)

@@ -189,8 +189,6 @@ class DraftVariant:
     uses_taps: bool = True
     """Whether the draft reads tapped target features (``dflash.target_layer_ids``); ``False``: it reads the
     target's final hidden state and the token embeddings instead."""
-    reference_decodes: bool = True
-    """Whether the reference speculative decoder (``dflash-eval``, serving validation) runs this variant's drafts."""
     reads_target_distribution: bool = False
     """Whether the trainer core learns the target's next-token distribution: the module then hands it the
     target's final hidden states (``teacher_hidden``) whatever the loss terms."""

