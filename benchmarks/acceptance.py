@@ -17,9 +17,10 @@ both; the corpus alone is rebuilt here when missing). Everything it writes goes 
    AdamW 2e-3), identical data, labels, steps and K; a row differs from its baseline only in the
    overrides named in ``VARIANTS`` (``dflash+kl``: KL distillation instead of cross-entropy,
    ``dflash+kl_tv``: KL + TV, ``dflash2-target_argmax``: the original transcripts with
-   ``label_source=target_argmax``, ...); MTP rows train heads (``dflash=mtp``, D = 3 steps).
-3. All block drafts of every seed through the reference speculative decoder on the same held-out
-   utterances in one pass at K = block_size - 1 (pooled MAL, per-position acceptance, greedy
+   ``label_source=target_argmax``, ...); MTP rows train heads (``dflash=mtp``, D = 3 steps); ``eagle3``
+   trains an EAGLE-3 draft (``dflash=eagle3``, ttt_steps 7, the recipe's draft vocabulary).
+3. All DFlash / DFlash2 / EAGLE-3 drafts of every seed through the reference speculative decoder on the same
+   held-out utterances in one pass at K = block_size - 1 = ttt_steps (pooled MAL, per-position acceptance, greedy
    equivalence, WER); each MTP export (the target with its trained heads) at K = D and K = 2D.
 4. Per row: serving MAL, its fraction of the ceiling (a draft that is always right on these
    replies), first-position acceptance, MAL of the rounds right after a correction, teacher-forced
@@ -78,6 +79,7 @@ VARIANTS = {
     "dflash2-target_argmax": ("dflash2", "original", "target_argmax", ()),
     "dflash2-ground_truth": ("dflash2", "original", "ground_truth", ()),
     "mtp": ("mtp", "offline", "ground_truth", ()),
+    "eagle3": ("eagle3", "offline", "ground_truth", ()),
     "dflash+kl": ("dflash", "offline", "ground_truth", KL),
     "dflash+kl_tv": ("dflash", "offline", "ground_truth", KL_TV),
     "dflash+ce_kl": ("dflash", "offline", "ground_truth", CE_KL),

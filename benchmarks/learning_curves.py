@@ -8,7 +8,7 @@
 Issue 49: is the step serving prefers the last one, and does the step validation prefers (``val/serving_mal``,
 what ``exp_manager.export_checkpoint=best`` exports) serve better on held-out data than the last step? The
 benchmark runs in parts, each within about an hour on 2 cores: one part trains one family (``dflash``,
-``dflash2``, ``mtp``) on one reference target (``salm``: ``benchmarks/reference_target``; ``nemotron_h``:
+``dflash2``, ``mtp``, ``eagle3``) on one reference target (``salm``: ``benchmarks/reference_target``; ``nemotron_h``:
 ``benchmarks/reference_target_nemotron_h``) with one seed, as ``benchmarks/acceptance.py`` trains its rows
 (``conf/demo.yaml``, offline labels, the same scaled-down recipe; its functions, not copies).
 
@@ -18,8 +18,8 @@ benchmark runs in parts, each within about an hour on 2 cores: one part trains o
    resume; the learning rate is constant, so the curve is the uninterrupted run's), validates at its end with
    serving validation on (``val/serving_mal``, what a monitored checkpoint is chosen by, on labelled training
    utterances held out of training, not the test's) and writes its export, kept as ``exports/step-N``.
-3. Every kept export through the reference decoder on the held-out utterances (block drafts in one pass at
-   K = block_size - 1, each MTP export at K = D): pooled serving MAL, acceptance@1 and the MAL of the rounds
+3. Every kept export through the reference decoder on the held-out utterances (DFlash / DFlash2 and EAGLE-3
+   drafts in one pass at the K they serve with: block_size - 1, ttt_steps; each MTP export at K = D): pooled serving MAL, acceptance@1 and the MAL of the rounds
    right after a correction, at every step.
 
 A part writes ``benchmarks/.work/learning_curves/<target>/<variant>-s<seed>/curve.json`` (an interrupted part
@@ -51,7 +51,7 @@ from dflash_train.evaluate.run import MTP, TARGET_MTP_HEADS  # noqa: E402
 
 TARGETS = {"salm": ROOT / "benchmarks" / "reference_target",
            "nemotron_h": ROOT / "benchmarks" / "reference_target_nemotron_h"}
-FAMILIES = ("dflash", "dflash2", "mtp")
+FAMILIES = ("dflash", "dflash2", "mtp", "eagle3")
 OUT = WORK / "learning_curves"
 CURVE_FILE = "curve.json"
 LABEL_LIMIT = 1200  # training utterances of a part by default (--label-limit: another size is an experiment row)

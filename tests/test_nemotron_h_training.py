@@ -1,4 +1,4 @@
-"""DFlash, DFlash2 and MTP drafts trained against a Nemotron-H SpeechLM target (Mamba-2, attention, MLP and
+"""DFlash, DFlash2, MTP and EAGLE-3 drafts trained against a Nemotron-H SpeechLM target (Mamba-2, attention, MLP and
 MoE blocks, SALMAutomodel's native names) on real speech through the real data pipeline: a run config
 that inherits the recipe with NeMo's ``salm_automodel`` model keys trains, exports, reloads strictly,
 resumes exactly, and its export decodes greedy-equal on the Mamba target."""
@@ -18,6 +18,7 @@ from dflash_train.config import validate_config
 from dflash_train.training.recipe import train
 
 BIN = Path(sys.executable).parent
+EAGLE3_TAPS_OF_8_BLOCKS = [1, 3, 5]  # low / middle / high, derived from the target's depth
 
 
 def _hybrid_recipe(hybrid_dir, demo_data, run_dir, variant, *extra):
@@ -44,6 +45,7 @@ def _hybrid_recipe(hybrid_dir, demo_data, run_dir, variant, *extra):
     ("dflash", ["data.train_ds.packing=true", "data.train_ds.batch_tokens=512", "data.train_ds.use_bucketing=false"]),
     ("dflash2", ["dflash.selector_rank=16", "dflash.selector_top_k=8"]),
     ("mtp", []),
+    ("eagle3", ["dflash.draft_vocab_size=64", "dflash.ttt_steps=3"]),
 ])
 def test_each_variant_trains_and_its_export_reloads_strictly(tiny_hybrid_dir, tiny_hybrid_target, demo_data, tmp_path,
                                                             variant, extra):
@@ -60,6 +62,11 @@ def test_each_variant_trains_and_its_export_reloads_strictly(tiny_hybrid_dir, ti
         assert heads == validated.run.dflash.num_nextn_predict_layers
         return
     draft = load_draft(str(summary.export_dir), tiny_hybrid_target, "cpu", "float32")
+    if variant == "eagle3":
+        from dflash_train.draft.eagle3 import draft_taps
+
+        assert draft_taps(draft) == EAGLE3_TAPS_OF_8_BLOCKS and draft.draft_vocab_size == 64
+        return
     assert list(draft.target_layer_ids) == [1, 5]  # the default taps of an 8-block target with a 2-layer draft
     config = json.loads((summary.export_dir / "config.json").read_text())
     ours = {"num_target_layers", "dflash_config", "training_info", "is_causal"}  # the draft's and the export's
