@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -222,27 +223,92 @@ def rank_log_lines(root: Path, text: str) -> dict[int, list[str]]:
     return lines
 
 
-def run_launcher(command: list[str], env: dict, timeout: float):
-    """``subprocess.run`` for torchrun: on timeout the whole process group is killed, workers included.
+class Launch:
+    """A launcher (torchrun, or one ``python -m ...`` process) started in a session of its own, its output in
+    temporary files: nothing blocks on a full pipe while the test waits for another launch beside it.
 
-    Killing only torchrun would leave its workers hanging in a collective (and holding CPU)
-    after the test has failed.
+    ``finish`` waits for it; on timeout, and on any way out of ``finish`` (pytest-timeout's interrupt too), the
+    whole process group is killed, workers included: killing only torchrun would leave its workers hanging in a
+    collective (and holding CPU) after the test has failed.
     """
-    import signal
-    import subprocess
 
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{' '.join(command[:6])} ... did not finish in {timeout} s:\n{(stdout + stderr)[-4000:]}")
-    finally:  # pytest-timeout's interrupt too: torchrun's workers would outlive the failed test
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+    def __init__(self, command: list[str], env: dict, cwd=None):
+        import subprocess
+        import tempfile
+
+        self.command = command
+        self._stdout, self._stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(command, env=env, cwd=cwd, stdout=self._stdout, stderr=self._stderr, text=True,
+                                     start_new_session=True)
+
+    def __enter__(self) -> "Launch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Leaving the block (a failed assertion too) kills a launch nobody awaited."""
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill the launch's process group if the launcher still runs."""
+        import signal
+
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def finish(self, timeout: float):
+        """Wait for the launch: its ``CompletedProcess`` (a failed test after ``timeout`` seconds)."""
+        import subprocess
+
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            output = self._read()
+            pytest.fail(f"{' '.join(self.command[:6])} ... did not finish in {timeout} s:\n"
+                        f"{(output.stdout + output.stderr)[-4000:]}")
+        finally:
+            self.kill()
+        return self._read()
+
+    def _read(self):
+        import subprocess
+
+        texts = []
+        for file in (self._stdout, self._stderr):
+            file.seek(0)
+            texts.append(file.read())
+            file.close()
+        return subprocess.CompletedProcess(self.command, self.proc.returncode, *texts)
+
+
+def run_launchers(commands: list[list[str]], env, timeout: float, cwds=None) -> list:
+    """Each command of ``commands`` as a :class:`Launch` (``env``: one environment for all, or a list with one
+    per command; ``cwds``: a list of working directories), all started at once (side by side on the test
+    machine's cores), then awaited: their ``CompletedProcess`` in order. Any failure kills every launch still
+    running. For independent runs only: a one-process run with ``OMP_NUM_THREADS=1`` uses one core, so two of
+    them take about the time of one on two cores."""
+    envs = env if isinstance(env, list) else [env] * len(commands)
+    with contextlib.ExitStack() as stack:
+        launches = [stack.enter_context(Launch(command, envs[index], None if cwds is None else cwds[index]))
+                    for index, command in enumerate(commands)]
+        return [launch.finish(timeout) for launch in launches]
+
+
+def run_launcher(command: list[str], env: dict, timeout: float):
+    """``subprocess.run`` for torchrun: on timeout the whole process group is killed, workers included
+    (:class:`Launch`)."""
+    return Launch(command, env).finish(timeout)
+
+
+def free_port() -> int:
+    """A TCP port free now: the ``MASTER_PORT`` of a one-process run launched beside another (Lightning's own
+    pick races: EADDRINUSE)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class ResumeComparison:

@@ -10,13 +10,13 @@ earlier step, with its logged figures and its checkpoint's weights."""
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import torch
+from conftest import Launch, free_port
 from safetensors.torch import load_file
 
 from dflash_train.config.metrics import validation_metrics
@@ -32,11 +32,20 @@ SPOILED_AFTER_STEP_4 = "dflash.lr_scheduler={_target_:torch.optim.lr_scheduler.M
 MONITOR = {"dflash2": "val/accept_len", "mtp": "val/serving_mal"}
 
 
-def _train(args, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "dflash_train", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+def _start(args, cwd) -> Launch:
+    """``python -m dflash_train`` with ``args`` in ``cwd``, started (``Launch.finish`` awaits it). Each launch has a
+    rendezvous port of its own: the uninterrupted run trains beside the resumed run's launches."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MASTER_PORT=str(free_port()))
+    return Launch([sys.executable, "-m", "dflash_train", *args], env, cwd)
+
+
+def _finish(launch: Launch):
+    proc = launch.finish(600)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+def _train(args, cwd):
+    return _finish(_start(args, cwd))
 
 
 def _common(salm_dir, demo_data, variant):
@@ -53,7 +62,8 @@ def _common(salm_dir, demo_data, variant):
 
 class Runs:
     """One uninterrupted run (``explicit_log_dir``) and the same run in three launches (``exp_dir``/``name``),
-    each launched from its own empty working directory."""
+    each launched from its own empty working directory. The uninterrupted run trains beside the three launches
+    (one process each, on one core: the two sequences share nothing but the target and the data, read only)."""
 
     def __init__(self, root: Path, salm_dir, demo_data, variant: str, launches=LAUNCHES):
         self.root, self.common, self.launches = root, _common(salm_dir, demo_data, variant), launches
@@ -61,23 +71,27 @@ class Runs:
         self.straight = root / "straight"
         self.exp_dir = root / "exp"
         self.resumed = self.exp_dir / "resumed"
-        code, self.straight_log = self.launch("cwd0", f"trainer.max_steps={STEPS}",
-                                              f"exp_manager.explicit_log_dir={self.straight}")
+        with _start(self.common + [f"trainer.max_steps={STEPS}", f"exp_manager.explicit_log_dir={self.straight}"],
+                    self._cwd("cwd0")) as straight:
+            self.resumed_logs = []
+            for i, steps in enumerate(launches):
+                code, out = self.launch(f"cwd{i + 1}", *self.resumed_args(steps))
+                assert code == 0, out[-4000:]
+                self.resumed_logs.append(out)
+            code, self.straight_log = _finish(straight)
         assert code == 0, self.straight_log[-4000:]
-        self.resumed_logs = []
-        for i, steps in enumerate(launches):
-            code, out = self.launch(f"cwd{i + 1}", *self.resumed_args(steps))
-            assert code == 0, out[-4000:]
-            self.resumed_logs.append(out)
 
     def resumed_args(self, steps: int) -> list[str]:
         return [f"trainer.max_steps={steps}", "exp_manager.explicit_log_dir=null", f"exp_manager.exp_dir={self.exp_dir}",
                 "exp_manager.name=resumed"]
 
     def launch(self, cwd_name: str, *args: str):
-        cwd = self.root / cwd_name
+        return _train(self.common + list(args), self._cwd(cwd_name))
+
+    def _cwd(self, name: str) -> Path:
+        cwd = self.root / name
         cwd.mkdir()
-        return _train(self.common + list(args), cwd)
+        return cwd
 
 
 def _validation_steps(log: str) -> list[int]:

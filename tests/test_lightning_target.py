@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, rank_log_lines, run_launcher, worst_difference
+from conftest import Launch, compose, free_port, rank_log_lines, run_launcher, worst_difference
 from safetensors.torch import load_file
 from test_multiprocess_cli import _launch_command
 
@@ -173,30 +173,38 @@ def test_dflash2_with_the_runbooks_taps_trains_on_two_ranks_sharing_the_experts(
     assert list(draft.target_layer_ids) == list(LIGHTNING_TAPS)
 
 
-def _train_cli(lightning_dir, demo_data, run_dir: Path, *extra: str) -> None:
+def _start_cli(lightning_dir, demo_data, run_dir: Path, *extra: str) -> Launch:
+    """``python -m dflash_train`` on the Lightning target, started; a rendezvous port of its own, for launches side
+    by side."""
     train, val = demo_data
-    proc = subprocess.run(
+    return Launch(
         [sys.executable, "-m", "dflash_train", "--config-name=demo", "model=salm_automodel",
          f"model.pretrained_name={lightning_dir}", f"data.train_ds.input_cfg.0.cuts_path={train}",
          f"data.validation_ds.input_cfg.0.cuts_path={val}", "data.train_ds.bucket_estimate_samples=20",
          "trainer.precision=32-true", "trainer.limit_val_batches=1", "trainer.val_check_interval=2",
          "exp_manager.checkpoint_every_n_steps=2", "exp_manager.resume_if_exists=true",
          "+trainer.enable_progress_bar=false", f"exp_manager.explicit_log_dir={run_dir}", *SERVING, *extra],
-        env=ENV, capture_output=True, text=True, timeout=900,
+        dict(ENV, MASTER_PORT=str(free_port())),
     )
+
+
+def _finish_cli(launch: Launch) -> None:
+    proc = launch.finish(900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
 
 
 @pytest.fixture(scope="module")
 def mtp_runs(lightning_dir, demo_data, tmp_path_factory) -> dict[str, Path]:
-    """MTP heads through ``python -m dflash_train``: 4 steps straight, and 2 steps then resumed to 4."""
+    """MTP heads through ``python -m dflash_train``: 4 steps straight, and beside it (one process each) 2 steps
+    then resumed to 4."""
     root = tmp_path_factory.mktemp("lightning_mtp")
     runs = {"straight": root / "straight", "resumed": root / "resumed"}
-    _train_cli(lightning_dir, demo_data, runs["straight"], "dflash=mtp", "trainer.max_steps=4")
-    _train_cli(lightning_dir, demo_data, runs["resumed"], "dflash=mtp", "trainer.max_steps=2")
-    runs["at_stop"] = root / "at_stop.safetensors"
-    runs["at_stop"].write_bytes((runs["resumed"] / "export" / "model.safetensors").read_bytes())
-    _train_cli(lightning_dir, demo_data, runs["resumed"], "dflash=mtp", "trainer.max_steps=4")
+    with _start_cli(lightning_dir, demo_data, runs["straight"], "dflash=mtp", "trainer.max_steps=4") as straight:
+        _finish_cli(_start_cli(lightning_dir, demo_data, runs["resumed"], "dflash=mtp", "trainer.max_steps=2"))
+        runs["at_stop"] = root / "at_stop.safetensors"
+        runs["at_stop"].write_bytes((runs["resumed"] / "export" / "model.safetensors").read_bytes())
+        _finish_cli(_start_cli(lightning_dir, demo_data, runs["resumed"], "dflash=mtp", "trainer.max_steps=4"))
+        _finish_cli(straight)
     return runs
 
 

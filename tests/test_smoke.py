@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import compose, run_launcher, tiny_run_overrides
+from conftest import compose, free_port, run_launcher, run_launchers, tiny_run_overrides
 
 BIN = Path(sys.executable).parent
 STEPS = 4
@@ -38,9 +37,7 @@ def _env(**extra: str) -> dict:
     return {**env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra}
 
 
-def _smoke(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_train.cli.smoke", *args], cwd=cwd, env=_env(**env),
-                          capture_output=True, text=True, timeout=600)
+FAULTS = "nan_gradient,trainable_target,missing_shard,resume_drift,export_not_reloading"
 
 
 def _report(out: Path) -> dict:
@@ -54,15 +51,30 @@ def _items(report: dict) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def clean(tiny_salm_dir, demo_data, tmp_path_factory):
-    """One process, DFlash2, the default out directory (beside the run directory)."""
-    root = tmp_path_factory.mktemp("clean")
-    proc = _smoke(_tiny_demo(tiny_salm_dir, demo_data, root / "run", *DFLASH2), root)
-    return root, proc
+def one_process_smokes(tiny_salm_dir, tiny_hybrid_dir, demo_data, tmp_path_factory) -> dict:
+    """The module's one-process smokes, launched side by side (one core each): ``clean`` (DFlash2, the default out
+    directory, beside the run directory), ``faults`` (DFlash2 with :data:`FAULTS` planted) and ``mtp`` (MTP heads on
+    the tiny Nemotron-H target, accumulating 2 micro-batches, a StepLR schedule). Per name: ``(directory,
+    CompletedProcess)``; each launch has a rendezvous port of its own."""
+    roots = {name: tmp_path_factory.mktemp(name) for name in ("clean", "faults", "mtp")}
+    args = {
+        "clean": _tiny_demo(tiny_salm_dir, demo_data, roots["clean"] / "run", *DFLASH2),
+        "faults": _tiny_demo(tiny_salm_dir, demo_data, roots["faults"] / "run", *DFLASH2,
+                             "--out", str(roots["faults"] / "out")),
+        "mtp": _tiny_demo(tiny_hybrid_dir, demo_data, roots["mtp"] / "run", "model=salm_automodel", "dflash=mtp",
+                          "trainer.accumulate_grad_batches=2",
+                          "dflash.lr_scheduler={_target_:torch.optim.lr_scheduler.StepLR,step_size:1,gamma:0.5}",
+                          "--out", str(roots["mtp"] / "out")),
+    }
+    envs = [_env(MASTER_PORT=str(free_port()), **({"DFLASH_SMOKE_FAULTS": FAULTS} if name == "faults" else {}))
+            for name in args]
+    procs = run_launchers([[sys.executable, "-m", "dflash_train.cli.smoke", *a] for a in args.values()], envs, 600,
+                          cwds=list(roots.values()))
+    return {name: (roots[name], proc) for name, proc in zip(args, procs)}
 
 
-def test_one_process_dflash2_passes_every_item_beside_an_untouched_run_directory(clean):
-    root, proc = clean
+def test_one_process_dflash2_passes_every_item_beside_an_untouched_run_directory(one_process_smokes):
+    root, proc = one_process_smokes["clean"]
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert not (root / "run").exists(), "the smoke wrote into the user's run directory"
     (out,) = root.glob("run-smoke-*")
@@ -81,12 +93,10 @@ def test_one_process_dflash2_passes_every_item_beside_an_untouched_run_directory
     assert table in proc.stdout and "All items passed." in table and "| finite loss and gradients | pass |" in table
 
 
-def test_planted_faults_each_fail_their_own_item(tiny_salm_dir, demo_data, tmp_path):
-    faults = "nan_gradient,trainable_target,missing_shard,resume_drift,export_not_reloading"
-    proc = _smoke(_tiny_demo(tiny_salm_dir, demo_data, tmp_path / "run", *DFLASH2, "--out", str(tmp_path / "out")),
-                  tmp_path, DFLASH_SMOKE_FAULTS=faults)
+def test_planted_faults_each_fail_their_own_item(one_process_smokes):
+    root, proc = one_process_smokes["faults"]
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-6000:]
-    report = _report(tmp_path / "out")
+    report = _report(root / "out")
     expected = ["finite_loss_and_gradients", "trainable_parameters", "checkpoint_shards", "exact_resume", "export_reload"]
     assert report["failed"] == expected
     assert f"dflash-smoke: FAILED: {', '.join(expected)}" in proc.stdout
@@ -136,13 +146,10 @@ def test_two_torchrun_processes_under_fsdp2(tiny_salm_dir, demo_data, tmp_path):
     assert "(world size 2)" in _items(report)["checkpoint_shards"]["title"]
 
 
-def test_mtp_heads_on_a_nemotron_h_target_with_accumulation_and_a_schedule(tiny_hybrid_dir, demo_data, tmp_path):
-    proc = _smoke(_tiny_demo(tiny_hybrid_dir, demo_data, tmp_path / "run", "model=salm_automodel", "dflash=mtp",
-                             "trainer.accumulate_grad_batches=2",
-                             "dflash.lr_scheduler={_target_:torch.optim.lr_scheduler.StepLR,step_size:1,gamma:0.5}",
-                             "--out", str(tmp_path / "out")), tmp_path)
+def test_mtp_heads_on_a_nemotron_h_target_with_accumulation_and_a_schedule(one_process_smokes):
+    root, proc = one_process_smokes["mtp"]
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    report = _report(tmp_path / "out")
+    report = _report(root / "out")
     assert report["passed"], report["failed"]
     resume = _items(report)["exact_resume"]["evidence"]
     # the learning rate halved at each of the two steps before the stop, restored with its scheduler
