@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_launcher, worst_difference
+from conftest import run_launchers, worst_difference
 from safetensors.torch import load_file
 
 HERE = Path(__file__).parent
@@ -15,12 +15,24 @@ BIN = Path(sys.executable).parent
 
 def _launch(out: Path, salm_dir, strategy: str, variant: str, nproc: int, wavs, *flags: str,
             timeout: int = 600) -> dict:
+    (metrics,) = _launch_side_by_side([(out, salm_dir, strategy, variant, nproc, wavs, *flags)], timeout=timeout)
+    return metrics
+
+
+def _launch_side_by_side(launches: list[tuple], timeout: int = 600) -> list[dict]:
+    """Each ``(out, salm_dir, strategy, variant, nproc, wavs, *flags)`` of ``launches`` through torchrun, all
+    started at once (independent runs: a one-process reference beside the run it is compared with uses the
+    core the other leaves), then awaited: per launch, each rank's metrics."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--standalone",  # a free port of its own: tests may run concurrently
-           str(HERE / "dist_train.py"), str(out), str(salm_dir), strategy, variant, *map(str, wavs), *flags]
-    proc = run_launcher(cmd, env, timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)}
+    commands = [[str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--standalone",  # a free port of its own
+                 str(HERE / "dist_train.py"), str(out), str(salm_dir), strategy, variant, *map(str, wavs), *flags]
+                for out, salm_dir, strategy, variant, nproc, wavs, *flags in launches]
+    results = []
+    for launch, proc in zip(launches, run_launchers(commands, env, timeout)):
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        out, nproc = launch[0], launch[4]
+        results.append({r: json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)})
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +62,20 @@ VARIANT_FLAGS = {"dflash": (), "dflash2": (), "eagle3": ()}
 MATCH_TOLERANCE = {"eagle3": (1e-4, 3e-4)}
 
 
+NO_ANCHOR_FLAGS = ("--unsupervised", "2,3", "--sgd", "0.5", "--steps", "2")
+WITHOUT_ANCHOR = "dflash, rows 2 and 3 unsupervised"
+
+
 @pytest.fixture(scope="module")
 def single(tiny_salm_dir, wavs, tmp_path_factory):
-    runs = {}
-    for variant, flags in VARIANT_FLAGS.items():
-        out = tmp_path_factory.mktemp(f"single_{variant}")
-        runs[variant] = (out, _launch(out, tiny_salm_dir, "ddp", variant, 1, wavs, *SGD, *flags))
-    return runs
+    """The one-process references, launched side by side: each variant with :data:`SGD`, and DFlash with
+    :data:`NO_ANCHOR_FLAGS` (key :data:`WITHOUT_ANCHOR`). Per key: ``(out, metrics)``."""
+    launches = {variant: (variant, (*SGD, *flags)) for variant, flags in VARIANT_FLAGS.items()}
+    launches[WITHOUT_ANCHOR] = ("dflash", NO_ANCHOR_FLAGS)
+    outs = {key: tmp_path_factory.mktemp("single") for key in launches}
+    metrics = _launch_side_by_side([(outs[key], tiny_salm_dir, "ddp", variant, 1, wavs, *flags)
+                                    for key, (variant, flags) in launches.items()])
+    return {key: (outs[key], m) for key, m in zip(launches, metrics)}
 
 
 # the recipe's defaults (FSDP2, DFlash2 with its selector) and the extra case (DDP, DFlash)
@@ -91,8 +110,8 @@ def test_mined_round_starts_keep_two_fsdp2_ranks_equal_to_one_process(single, ti
     not on the rank: two ranks still train exactly like one process on the same global batch."""
     variant, option_flags = MINED_STARTS[option]
     flags = (*SGD, *option_flags)
-    one = _launch(tmp_path / "one", tiny_salm_dir, "ddp", variant, 1, wavs, *flags)
-    two = _launch(tmp_path / "two", tiny_salm_dir, "fsdp2", variant, 2, wavs, *flags)
+    one, two = _launch_side_by_side([(tmp_path / "one", tiny_salm_dir, "ddp", variant, 1, wavs, *flags),
+                                     (tmp_path / "two", tiny_salm_dir, "fsdp2", variant, 2, wavs, *flags)])
     assert one[0]["train_loss"] == pytest.approx(two[0]["train_loss"], rel=1e-5)
     worst = worst_difference(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
     assert worst < 1e-6, f"{option}: 2 ranks differ from one process by {worst}"
@@ -100,23 +119,14 @@ def test_mined_round_starts_keep_two_fsdp2_ranks_equal_to_one_process(single, ti
     assert worst_difference(_weights(plain_dir), _weights(tmp_path / "one")) > 0, "the option did nothing"
 
 
-NO_ANCHOR_FLAGS = ("--unsupervised", "2,3", "--sgd", "0.5", "--steps", "2")
-
-
-@pytest.fixture(scope="module")
-def single_without_anchor(tiny_salm_dir, wavs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("one_without_anchor")
-    return out, _launch(out, tiny_salm_dir, "ddp", "dflash", 1, wavs, *NO_ANCHOR_FLAGS)
-
-
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
-def test_a_rank_without_anchor_runs_the_same_collectives_and_matches_one_process(single_without_anchor, tiny_salm_dir,
-                                                                               wavs, tmp_path, strategy):
+def test_a_rank_without_anchor_runs_the_same_collectives_and_matches_one_process(single, tiny_salm_dir, wavs, tmp_path,
+                                                                               strategy):
     """Rank 1's rows have no supervised position: it must still join every all-gather / reduce (FSDP2 hung)."""
-    one_dir, single = single_without_anchor
+    one_dir, one = single[WITHOUT_ANCHOR]
     two = _launch(tmp_path / "two", tiny_salm_dir, strategy, "dflash", 2, wavs, *NO_ANCHOR_FLAGS, timeout=240)
-    assert two[0]["steps"] == two[1]["steps"] == single[0]["steps"] == 2
-    assert two[0]["train_loss"] == pytest.approx(single[0]["train_loss"], rel=1e-5)
+    assert two[0]["steps"] == two[1]["steps"] == one[0]["steps"] == 2
+    assert two[0]["train_loss"] == pytest.approx(one[0]["train_loss"], rel=1e-5)
     worst = worst_difference(_weights(tmp_path / "two"), _weights(one_dir))
     assert worst < 1e-6, f"{strategy}: weights differ from one process by {worst}"
 
@@ -125,8 +135,8 @@ def test_two_fsdp2_ranks_accumulating_two_micro_batches_match_one_process(tiny_s
     """Gradient accumulation over ranks and micro-batches: each window's gradient is divided by the
     window's Σw summed over both ranks and both micro-batches (DFlash2, selector on)."""
     flags = (*SGD, "--set", "trainer.accumulate_grad_batches=2")
-    one = _launch(tmp_path / "one", tiny_salm_dir, "ddp", "dflash2", 1, wavs, *flags)
-    two = _launch(tmp_path / "two", tiny_salm_dir, "fsdp2", "dflash2", 2, wavs, *flags)
+    one, two = _launch_side_by_side([(tmp_path / "one", tiny_salm_dir, "ddp", "dflash2", 1, wavs, *flags),
+                                     (tmp_path / "two", tiny_salm_dir, "fsdp2", "dflash2", 2, wavs, *flags)])
     assert one[0]["steps"] == two[0]["steps"] == 2
     worst = worst_difference(_weights(tmp_path / "two"), _weights(tmp_path / "one"))
     print(f"\nfsdp2/dflash2, accumulate 2: 2 ranks vs 1 process: max |dw| = {worst:.3g}")
