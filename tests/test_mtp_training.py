@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import UTTERANCES, ResumeComparison, chatml_speech_batch, compose, tiny_run_overrides
+from conftest import (UTTERANCES, ResumeComparison, chatml_speech_batch, compose, free_port, run_launchers,
+                      tiny_run_overrides)
 from listdata import ListDataModule
 from safetensors.torch import load_file
 
@@ -233,17 +235,36 @@ def test_mtp_resume_is_exact_and_the_export_is_the_target_plus_heads(tiny_salm_d
         setup_draft(wrong, target, dataclasses.replace(spec, cfg=wrong.dflash), "sdpa")
 
 
-def test_the_cli_trains_mtp_heads_and_dflash_eval_decodes_the_export(tiny_salm_dir, demo_data, tmp_path):
-    """The user's path: ``dflash-train --config-name=demo dflash=mtp``, then ``dflash-eval --mtp`` on the export."""
+@pytest.fixture(scope="module")
+def cli_runs(tiny_salm_dir, demo_data, tmp_path_factory) -> dict:
+    """``dflash=mtp`` through the real command lines, launched side by side: ``one`` is ``dflash-train
+    --config-name=demo`` in one process (4 steps, a rendezvous port of its own), ``two`` is ``torchrun -m
+    dflash_train`` on two FSDP2 ranks (3 steps). Per name: ``(working directory, CompletedProcess)``; each run's
+    directory is ``run`` in its working directory."""
     train_cuts, val_cuts = demo_data
-    run_dir = tmp_path / "run"
-    args = [
+    cwds = {name: tmp_path_factory.mktemp(f"mtp_cli_{name}") for name in ("one", "two")}
+    common = [
         "--config-name=demo", "dflash=mtp", f"model.pretrained_name={tiny_salm_dir}",
         f"data.train_ds.input_cfg.0.cuts_path={train_cuts}", f"data.validation_ds.input_cfg.0.cuts_path={val_cuts}",
-        "data.train_ds.bucket_estimate_samples=20", "trainer.max_steps=4", "trainer.val_check_interval=4",
-        "trainer.limit_val_batches=1", f"exp_manager.explicit_log_dir={run_dir}",
+        "data.train_ds.bucket_estimate_samples=20", "trainer.limit_val_batches=1",
     ]
-    proc = subprocess.run([str(BIN / "dflash-train"), *args], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    commands = {
+        "one": [str(BIN / "dflash-train"), *common, "trainer.max_steps=4", "trainer.val_check_interval=4",
+                f"exp_manager.explicit_log_dir={cwds['one'] / 'run'}"],
+        "two": [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dflash_train", *common,
+                "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.devices=2",
+                "trainer.strategy.name=fsdp2", f"exp_manager.explicit_log_dir={cwds['two'] / 'run'}"],
+    }
+    envs = [dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(free_port())), dict(os.environ)]
+    procs = run_launchers(list(commands.values()), envs, 900, cwds=list(cwds.values()))
+    return {name: (cwds[name], proc) for name, proc in zip(commands, procs)}
+
+
+def test_the_cli_trains_mtp_heads_and_dflash_eval_decodes_the_export(cli_runs, demo_data):
+    """The user's path: ``dflash-train --config-name=demo dflash=mtp``, then ``dflash-eval --mtp`` on the export."""
+    _, val_cuts = demo_data
+    tmp_path, proc = cli_runs["one"]
+    run_dir = tmp_path / "run"
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     export = run_dir / "export"
@@ -263,20 +284,12 @@ def test_the_cli_trains_mtp_heads_and_dflash_eval_decodes_the_export(tiny_salm_d
     assert data["drafts"]["mtp"]["greedy_equal"] and data["drafts"]["mtp"]["acceptance"]["rounds"] > 0
 
 
-def test_torchrun_trains_mtp_heads_on_two_fsdp2_ranks(tiny_salm_dir, demo_data, tmp_path):
+def test_torchrun_trains_mtp_heads_on_two_fsdp2_ranks(cli_runs):
     """Two gloo processes through the real CLI: the FSDP2-sharded step (every sublayer gathered as it runs)
     trains, gathers and exports once; the export reloads strictly. (DDP shares the module's code path and
     replicates instead of sharding; FSDP2 is the stricter of the two.)"""
-    train_cuts, val_cuts = demo_data
+    tmp_path, proc = cli_runs["two"]
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "dflash_train", "--config-name=demo",
-         "dflash=mtp", f"model.pretrained_name={tiny_salm_dir}", f"data.train_ds.input_cfg.0.cuts_path={train_cuts}",
-         f"data.validation_ds.input_cfg.0.cuts_path={val_cuts}", "data.train_ds.bucket_estimate_samples=20",
-         "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "trainer.devices=2",
-         "trainer.strategy.name=fsdp2", f"exp_manager.explicit_log_dir={run_dir}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900,
-    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert out.count("steps: 3; final train loss") == 1 and "no final export" not in out  # rank 0's console line
