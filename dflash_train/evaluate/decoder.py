@@ -138,15 +138,22 @@ class _EmbeddingOwner:
         return self._embed_tokens
 
 
-class DraftProposer:
+class _ProposerBase:
+    """What every proposer holds: the target it drafts for and K, its proposals per round."""
+
+    def __init__(self, target: FrozenTarget, num_speculative_tokens: int):
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
+        self.target = target
+        self.num_speculative_tokens = num_speculative_tokens
+
+
+class DraftProposer(_ProposerBase):
     """An exported DFlash / DFlash2 draft proposing through its own KV cache of verified context."""
 
     def __init__(self, draft: nn.Module, target: FrozenTarget, num_speculative_tokens: int):
-        if num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
+        super().__init__(target, num_speculative_tokens)
         self.draft = draft.eval()
-        self.target = target
-        self.num_speculative_tokens = num_speculative_tokens
         self.variant = variant_for_architecture(draft.config.architectures[0])
         self._embedder = _EmbeddingOwner(target.embed_tokens)
         self._cache = None
@@ -181,7 +188,7 @@ class DraftProposer:
         self._pending = verified.features
 
 
-class MTPProposer:
+class MTPProposer(_ProposerBase):
     """The target's own MTP step, repeated for every draft position, as vLLM's MTP proposer runs it.
 
     Every verified position *i* has one cached entry of the step, made from the embedding of
@@ -192,11 +199,8 @@ class MTPProposer:
     """
 
     def __init__(self, step: nn.Module, target: FrozenTarget, num_speculative_tokens: int):
-        if num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
+        super().__init__(target, num_speculative_tokens)
         self.step = step.eval()
-        self.target = target
-        self.num_speculative_tokens = num_speculative_tokens
         self._cache = None
         self._hidden: torch.Tensor | None = None  # target hidden states of positions without an entry yet
         self._next_embeds: torch.Tensor | None = None  # embeddings of the tokens after them, bar the last
@@ -228,7 +232,7 @@ class MTPProposer:
         self._next_embeds = self._embed(token_ids[1:])
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(_ProposerBase):
     """An EAGLE-3 draft's chain of K steps, as vLLM's EAGLE-3 proposer runs it.
 
     Draft slot *t* reads the embedding of token *t + 1* (vLLM's token ids: at audio frames the audio
@@ -246,11 +250,8 @@ class Eagle3Proposer:
     def __init__(self, draft: nn.Module, target: FrozenTarget, num_speculative_tokens: int):
         from dflash_train.draft.eagle3 import selected_tokens
 
-        if num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
+        super().__init__(target, num_speculative_tokens)
         self.draft = draft.eval()
-        self.target = target
-        self.num_speculative_tokens = num_speculative_tokens
         self._target_ids = selected_tokens(draft)[0].tolist()  # draft output id -> target token id
         self._next_tokens: Optional[torch.Tensor] = None  # token t + 1 of every slot but the newest
         self._context: Optional[torch.Tensor] = None  # fc(taps at t) of every slot [n, H]
