@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import chatml_speech_batch, same_tensors
+from conftest import chatml_speech_batch, free_port, same_tensors
 from safetensors.torch import load_file
 
 from dflash_train.cli import eval as eval_cli
@@ -49,14 +49,6 @@ def nemo_salm(lora_dir):
     return SALM.from_pretrained(str(lora_dir)).eval()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _train(lora_dir, demo_data, run_dir: Path, variant: str, steps: int) -> subprocess.Popen:
     """``python -m dflash_train --config-name=demo`` on the LoRA SALM, started (not awaited)."""
     train_cuts, val_cuts = demo_data
@@ -69,7 +61,7 @@ def _train(lora_dir, demo_data, run_dir: Path, variant: str, steps: int) -> subp
         f"exp_manager.explicit_log_dir={run_dir}",
     ]
     # launches run two at a time: each gets its own rendezvous port (Lightning's own pick raced: EADDRINUSE)
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MASTER_PORT=str(_free_port()))
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", MASTER_PORT=str(free_port()))
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "dflash_train", *args], cwd=run_dir.parent, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
