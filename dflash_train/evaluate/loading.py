@@ -116,13 +116,14 @@ def load_draft(path: str, target: FrozenTarget, device: str, dtype: str) -> nn.M
     if draft_method(path) == "eagle3":
         draft = load_eagle3_export(path)
         taps, vocab = draft_taps(draft), draft.model.embed_tokens.num_embeddings
+        taps_key = "eagle_aux_hidden_state_layer_ids (minus one)"
         if vocab != target.vocab_size:
             problems.append(f"vocab_size {vocab} != the target's {target.vocab_size}")
         elif draft.config.hidden_size == target.hidden_size:
             draft.copy_embeddings_from_target(target.embed_tokens)
     else:
         draft = load_export(path)
-        taps = draft.target_layer_ids
+        taps, taps_key = draft.target_layer_ids, "target_layer_ids"
         if draft.mask_token_id is None or not 0 <= draft.mask_token_id < target.vocab_size:
             problems.append(f"mask_token_id {draft.mask_token_id} outside the target's {target.vocab_size} embeddings")
     config = draft.config
@@ -130,7 +131,7 @@ def load_draft(path: str, target: FrozenTarget, device: str, dtype: str) -> nn.M
     if config.hidden_size != target.hidden_size:
         problems.append(f"hidden_size {config.hidden_size} != the target's {target.hidden_size}")
     if bad_taps:
-        problems.append(f"target layers {bad_taps} tapped, outside the target's {target.num_layers} blocks")
+        problems.append(f"{taps_key} {bad_taps} outside the target's {target.num_layers} blocks")
     if problems:
         raise ConfigError(f"draft '{path}' does not fit the target: {'; '.join(problems)}")
     return draft.to(device=torch.device(device), dtype=torch_dtype(dtype)).eval()

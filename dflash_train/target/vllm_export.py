@@ -272,10 +272,14 @@ def draft_method(draft: str | Path) -> str:
 
 
 def _draft_export_config(draft: str | Path) -> dict:
+    from dflash_train.errors import InputFileError
     from dflash_train.files import read_json_object, require_directory
 
+    fix = "point --draft at a draft export written by dflash-train"
     path = require_directory(draft, f"a draft export ({CONFIG_FILE} + {WEIGHTS_FILE})")
-    return read_json_object(path / CONFIG_FILE, "point --draft at a draft export written by dflash-train")
+    if not (path / CONFIG_FILE).is_file():
+        raise InputFileError(f"'{path}' is not a draft export (it has no {CONFIG_FILE}); {fix}")
+    return read_json_object(path / CONFIG_FILE, fix)
 
 
 CPU_SERVER_ARGS = {"max_model_len": 1024, "kv_cache_memory_bytes": 256 << 20}
