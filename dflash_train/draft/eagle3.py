@@ -20,6 +20,7 @@ from nemo_automodel.components.speculative.eagle.draft_llama import LlamaEagle3D
 from torch import nn
 from transformers import LlamaConfig
 
+from dflash_train.casting import cast_floating
 from dflash_train.draft.anchors import anchor_coverage, documents_of
 from dflash_train.variants.eagle3 import EAGLE3_TAPS
 
@@ -73,7 +74,8 @@ def build_eagle3_draft(target, draft_vocab_size: Optional[int], layer_ids, ttt_s
     draft.set_vocab_mapping(torch.arange(draft.draft_vocab_size))
     draft.copy_embeddings_from_target(target.embed_tokens)
     draft.freeze_embeddings()
-    return draft.to(dtype)
+    cast_floating(draft, dtype)  # not draft.to(dtype): dflash-plan builds it under fake tensors
+    return draft
 
 
 def choose_draft_vocabulary(draft: LlamaEagle3DraftModel, examples: Iterable[dict]) -> None:

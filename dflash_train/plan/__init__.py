@@ -10,12 +10,14 @@ from typing import Callable, Optional
 
 import torch
 
+from dflash_train.casting import cast_floating
 from dflash_train.config.validate import ValidatedConfig
 from dflash_train.plan.experts import balanced_expert_routing
-from dflash_train.plan.fake import PlannedRun, build_run, cast_floating, fake_world, weights_optional, worst_anchor_draw
+from dflash_train.plan.fake import PlannedRun, build_run, fake_world, weights_optional, worst_anchor_draw
 from dflash_train.plan.flops import GPUS, StepCost, collective_seconds
 from dflash_train.plan.memory import StepMemory
 from dflash_train.plan.report import Plan, gpu_figures
+from dflash_train.plan.rotary import bounded_rotary_positions
 from dflash_train.plan.step import PhaseHooks, phase_contexts, run_step
 
 __all__ = ["GPUS", "Plan", "plan_run", "plan_module_step", "measure_step", "weights_optional"]
@@ -52,7 +54,7 @@ def plan_module_step(build: Callable[[], tuple], batch, num_anchors: int, gpu: s
     def planned(mesh) -> PlannedRun:
         module, optimizer = build()
         if compute_dtype is not None:
-            cast_floating(module.target, compute_dtype)
+            cast_floating(module.target, compute_dtype, frozen=True)
         worst_anchor_draw(module, num_anchors)
         return PlannedRun(module, optimizer, batch, compute_dtype)
 
@@ -72,7 +74,8 @@ def _fake_step(build: Callable[[object], PlannedRun], world_size: int, gpu: str
         with fake:
             planned = build(mesh)
         cost = StepCost(GPUS[gpu])
-        with fake:
+        extra_positions = getattr(planned.module.draft.config, "ttt_steps", 0)  # EAGLE-3's offset positions
+        with fake, bounded_rotary_positions(planned.module, extra_positions):
             memory = measure_step(planned, world_size, cost)
     return planned, memory, cost
 

@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from dflash_train.casting import cast_floating
 from dflash_train.config.schema import RunConfig
 from dflash_train.data.batch import SpeechBatch
 from dflash_train.draft.build import DraftSpec
@@ -85,7 +86,7 @@ def build_salm_from_config(directory: Path, dtype: torch.dtype) -> SALMTarget:
         salm = SALM(config)
     finally:
         os.chdir(cwd)
-    cast_floating(salm, dtype)
+    cast_floating(salm, dtype, frozen=True)
     return SALMTarget(salm)
 
 
@@ -107,23 +108,8 @@ def build_nemotron_h_from_config(directory: Path, dtype: torch.dtype):
     tokenizer = AutoTokenizer(str(directory), use_fast=True)
     tokenizer.add_special_tokens({"additional_special_tokens": [config["audio_locator_tag"]]})
     target = NemotronHSpeechLMTarget(llm, perception, tokenizer, config, directory)
-    cast_floating(target, dtype)
+    cast_floating(target, dtype, frozen=True)
     return target.eval()
-
-
-def cast_floating(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Every floating parameter and buffer in ``dtype``, as the launch loads them (``.to(dtype)`` cannot swap
-    fake parameters in place, so each is replaced; tied tensors stay one tensor)."""
-    cast: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is None or not tensor.is_floating_point() or tensor.dtype == dtype:
-                    continue
-                if id(tensor) not in cast:
-                    new = tensor.detach().to(dtype)
-                    cast[id(tensor)] = torch.nn.Parameter(new, requires_grad=False) if table is module._parameters else new
-                table[name] = cast[id(tensor)]
 
 
 @dataclass
