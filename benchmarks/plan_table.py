@@ -8,14 +8,17 @@ checkpoint with its config files scaled to the public model's shapes and its wei
   chunks) on a Nemotron-3.5-Lightning-shaped SpeechLM (dflash_train/testing/tiny_mtp_salm.py ``LIGHTNING``).
 
     python benchmarks/plan_table.py [--targets canary lightning] [--out DIR] [--anchors 128 512 1024]
-                                    [--ranks 8 16 64] [--gpus h100 h200] [--json FILE]
+                                    [--ranks 8 16 64] [--gpus h100 h200] [--families dflash eagle3 ...] [--json FILE]
 
-Prints the Markdown rows (and ``--json FILE`` writes every plan).
+Prints the Markdown rows (and ``--json FILE`` writes every plan). ``--families`` plans other draft families on the
+same run configs (``dflash=<family>``; EAGLE-3 with ``dflash.target_layer_ids=null``, its three taps derived from
+the target's depth, and MTP without taps, as the run configs list the block drafts'), each row naming its family.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -89,8 +92,16 @@ TARGETS = {"canary": ("canary-qwen-2.5b (shaped)", "canary_qwen_2_5b", canary_qw
 """``--targets``: the table's name, the run config (conf/) and the builder of the config-only checkpoint."""
 
 
-def plan_row(target: Path, work: Path, gpu: str, ranks: int, anchors: int, config_name: str = "canary_qwen_2_5b"):
-    """The plan of conf/``config_name``.yaml on ``target`` at ``anchors`` anchors over ``ranks`` ranks of ``gpu``."""
+def family_overrides(family: str | None) -> list[str]:
+    """The overrides that train ``family`` on a run config (none: the config's own family)."""
+    taps = {"eagle3": ["dflash.target_layer_ids=null"], "mtp": ["~dflash.target_layer_ids"]}
+    return [] if family is None else [f"dflash={family}", *taps.get(family, [])]
+
+
+def plan_row(target: Path, work: Path, gpu: str, ranks: int, anchors: int, config_name: str = "canary_qwen_2_5b",
+             family: str | None = None):
+    """The plan of conf/``config_name``.yaml (trained as ``family``, when given) on ``target`` at ``anchors`` anchors
+    over ``ranks`` ranks of ``gpu``."""
     from dflash_train.config import validate_config
     from dflash_train.config.compose import compose_config
     from dflash_train.plan import plan_run
@@ -103,6 +114,7 @@ def plan_row(target: Path, work: Path, gpu: str, ranks: int, anchors: int, confi
         f"data.train_ds.input_cfg.0.cuts_path={cuts}",
         f"data.validation_ds.input_cfg.0.cuts_path={cuts}", f"exp_manager.explicit_log_dir={work / 'run'}",
         f"dflash.num_anchors={anchors}", f"trainer.devices={min(ranks, 8)}", f"trainer.num_nodes={max(1, ranks // 8)}",
+        *family_overrides(family),
     ], repo / "conf")
     return plan_run(validate_config(cfg), gpu, ranks)
 
@@ -115,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--anchors", type=int, nargs="+", default=[128, 512, 1024])
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 64])
     parser.add_argument("--gpus", nargs="+", default=["h100", "h200"])
+    parser.add_argument("--families", nargs="+", default=[None], choices=["dflash", "dflash2", "eagle3", "mtp"],
+                        help="draft families to plan (default: each run config's own; mtp needs a target with an "
+                             "MTP block: lightning)")
     parser.add_argument("--json", type=Path, default=None, help="write every plan here")
     args = parser.parse_args(argv)
     work = args.out or Path(tempfile.mkdtemp(prefix="plan_table_"))
@@ -125,17 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     for key in args.targets:
         label, config_name, build = TARGETS[key]
         target = build(work / f"{key}_shaped")
-        for gpu in args.gpus:
-            for ranks in args.ranks:
-                for anchors in args.anchors:
-                    started = time.perf_counter()
-                    plan = plan_row(target, work, gpu, ranks, anchors, config_name)
-                    seconds = time.perf_counter() - started
-                    plans.append(plan.to_json() | {"target": label, "plan_seconds": seconds})
-                    print(f"| {label} | {gpu.upper()} | {ranks} | {anchors} | "
-                          f"{plan.peak_bytes / 2**30:.1f} + {plan.allowance_bytes / 2**30:.1f} | "
-                          f"{'yes' if plan.fits else 'no'} | {plan.step_seconds * 1e3:.0f} | {plan.mfu:.0%} | "
-                          f"{plan.tokens_per_second:,.0f} | {seconds:.0f} |", flush=True)
+        for family, gpu, ranks, anchors in itertools.product(args.families, args.gpus, args.ranks, args.anchors):
+            started = time.perf_counter()
+            plan = plan_row(target, work, gpu, ranks, anchors, config_name, family)
+            seconds = time.perf_counter() - started
+            name = label if family is None else f"{label}, {plan.variant}"
+            plans.append(plan.to_json() | {"target": name, "plan_seconds": seconds})
+            print(f"| {name} | {gpu.upper()} | {ranks} | {anchors} | "
+                  f"{plan.peak_bytes / 2**30:.1f} + {plan.allowance_bytes / 2**30:.1f} | "
+                  f"{'yes' if plan.fits else 'no'} | {plan.step_seconds * 1e3:.0f} | {plan.mfu:.0%} | "
+                  f"{plan.tokens_per_second:,.0f} | {seconds:.0f} |", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(plans, indent=2) + "\n")
     return 0

@@ -74,7 +74,7 @@ def _fake_step(build: Callable[[object], PlannedRun], world_size: int, gpu: str
         with fake:
             planned = build(mesh)
         cost = StepCost(GPUS[gpu])
-        extra_positions = getattr(planned.module.draft.config, "ttt_steps", 0)  # EAGLE-3's offset positions
+        extra_positions = getattr(getattr(planned.module.draft, "config", None), "ttt_steps", 0)  # EAGLE-3 TTT offsets
         with fake, bounded_rotary_positions(planned.module, extra_positions):
             memory = measure_step(planned, world_size, cost)
     return planned, memory, cost
