@@ -11,8 +11,8 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import UTTERANCES, ResumeComparison, chatml_speech_batch, compose, tiny_run_overrides
-from listdata import ListDataModule
+from conftest import ResumeComparison, compose, tiny_run_overrides
+from listdata import two_batch_data
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
@@ -21,8 +21,6 @@ from dflash_train.draft.eagle3 import Eagle3Core, Eagle3Draft
 from dflash_train.draft.eagle3_export import load_eagle3_export
 from dflash_train.draft.export import DraftExportError, load_export
 from dflash_train.errors import ConfigError
-
-TEXTS = list(UTTERANCES.values())
 
 
 def _tiny_draft(vocab: int = 12, draft_vocab: int = 8, hidden: int = 16) -> Eagle3Draft:
@@ -169,11 +167,7 @@ def test_eagle3_resume_is_exact_and_the_export_is_vllms_eagle3_format(tiny_salm_
                                                                       tmp_path):
     from dflash_train.training.recipe import setup_draft, setup_target, train
 
-    first = chatml_speech_batch(tiny_target, speech_batch, TEXTS, repeat=2)
-    second = chatml_speech_batch(tiny_target, speech_batch, TEXTS[::-1], repeat=3)
-
-    def factory(run, target):
-        return ListDataModule([first, second], [second])
+    factory = two_batch_data(tiny_target, speech_batch)
 
     def recipe(run_dir, steps):
         return _eagle3_recipe(tiny_salm_dir, run_dir, f"trainer.max_steps={steps}",

@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import (UTTERANCES, ResumeComparison, chatml_speech_batch, compose, free_port, run_launchers,
                       tiny_run_overrides)
-from listdata import ListDataModule
+from listdata import two_batch_data
 from safetensors.torch import load_file
 
 from dflash_train.config import validate_config
@@ -197,11 +197,7 @@ def test_mtp_resume_is_exact_and_the_export_is_the_target_plus_heads(tiny_salm_d
                                                                     tmp_path):
     from dflash_train.training.recipe import train
 
-    first = chatml_speech_batch(tiny_target, speech_batch, TEXTS, repeat=2)
-    second = chatml_speech_batch(tiny_target, speech_batch, TEXTS[::-1], repeat=3)
-
-    def factory(run, target):
-        return ListDataModule([first, second], [second])
+    factory = two_batch_data(tiny_target, speech_batch)
 
     def recipe(run_dir, steps):
         return _mtp_recipe(tiny_salm_dir, run_dir, f"trainer.max_steps={steps}", "exp_manager.checkpoint_every_n_steps=3",

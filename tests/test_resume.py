@@ -4,7 +4,7 @@ import re
 
 import pytest
 from conftest import UTTERANCES, ResumeComparison, chatml_speech_batch
-from listdata import ListDataModule
+from listdata import ListDataModule, two_batch_data
 from safetensors.torch import load_file
 from test_module import _csv_rows, _recipe, _series
 
@@ -32,11 +32,7 @@ def test_a_resume_says_what_it_restored_and_warns_past_the_schedules_horizon():
 
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
 def test_resume_is_exact(tiny_salm_dir, tiny_target, speech_batch, tmp_path, variant, caplog):
-    first = chatml_speech_batch(tiny_target, speech_batch, TEXTS, repeat=2)
-    second = chatml_speech_batch(tiny_target, speech_batch, TEXTS[::-1], repeat=3)
-
-    def factory(run, target):
-        return ListDataModule([first, second], [second])
+    factory = two_batch_data(tiny_target, speech_batch)
 
     def recipe(run_dir, steps):
         return _recipe(tiny_salm_dir, run_dir, f"trainer.max_steps={steps}", "trainer.val_check_interval=3",
