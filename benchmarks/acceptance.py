@@ -325,12 +325,27 @@ def _served(row: dict, report: dict, name: str) -> dict:
     return row
 
 
+def eagle3_at_k(target: Path, trained: dict[str, dict[int, dict]], k: int, test: Path, max_new_tokens: int,
+                work: Path, served: dict[str, dict[int, dict]]) -> int:
+    """Every EAGLE-3 row's drafts (all seeds, one pass) at ``k`` proposals per round, a chain length other than the
+    ``ttt_steps`` it was trained for, into ``served`` as row ``"<name> K=<k>"``; returns the failures."""
+    drafts = {f"{n}@{seed}": r for n, rows in trained.items() for seed, r in rows.items() if r["variant"] == "eagle3"}
+    if not drafts:
+        return 0
+    report = evaluate_drafts(target, {key: r["export"] for key, r in drafts.items()}, test, None, max_new_tokens,
+                             work / f"eval-eagle3-k{k}.json", num_speculative_tokens=k)
+    for key, row in drafts.items():
+        name, seed = key.rsplit("@", 1)
+        served.setdefault(f"{name} K={k}", {})[int(seed)] = _served(dict(row), report, key)
+    return len(report["failures"])
+
+
 def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seeds: list[int], max_new_tokens: int,
         variants: list[str], work: Path, cuts: tuple[Path, Path] | None = None,
-        reuse_labels: bool = False) -> dict:
+        reuse_labels: bool = False, eagle3_ks: tuple[int, ...] = ()) -> dict:
     """The whole benchmark: every variant trained once per seed on identical data, labels, steps and K, all
-    block drafts evaluated in one pass; ``cuts`` (train, test) replaces the reference corpus (tests use a tiny
-    one)."""
+    block drafts evaluated in one pass (EAGLE-3 rows also at each K of ``eagle3_ks``); ``cuts`` (train, test)
+    replaces the reference corpus (tests use a tiny one)."""
     started = time.perf_counter()
     if not (target / "model.safetensors").exists():
         raise SystemExit(f"no reference target in {target}: run benchmarks/train_reference_target.py")
@@ -375,6 +390,8 @@ def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed
                 served.setdefault(f"{name} {label}", {})[seed] = _served(dict(row), mtp_report, MTP)
                 failures += len(mtp_report["failures"])
                 report = report or mtp_report
+    for k in eagle3_ks:
+        failures += eagle3_at_k(target, trained, k, test_subset, max_new_tokens, work, served)
     eval_wall = time.perf_counter() - t0
     rows = {name: aggregate(per_seed) for name, per_seed in served.items()}
     for name, row in rows.items():
@@ -423,13 +440,15 @@ def main(argv: list[str] | None = None) -> int:
                              "another target)")
     parser.add_argument("--reuse-labels", action="store_true",
                         help="keep offline labels already in --work from a run with the same target and limits")
+    parser.add_argument("--eagle3-k", type=int, nargs="*", default=[3, 5],
+                        help="EAGLE-3 rows are also served at these K (default %(default)s; the table's K is ttt_steps)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     target = Path(args.target).resolve()
     work = Path(args.work) if args.work else WORK / (
         "acceptance" if target == TARGET_DIR.resolve() else f"acceptance-{target.name}")
     results = run(target, args.steps, args.label_limit, args.eval_limit, args.seeds, args.max_new_tokens,
-                  args.variants, work, reuse_labels=args.reuse_labels)
+                  args.variants, work, reuse_labels=args.reuse_labels, eagle3_ks=tuple(args.eagle3_k))
     print("\n".join(table(results)))
     return 0 if results["failures"] == 0 and all(r["greedy_equal"] for r in results["variants"].values()) else 1
 

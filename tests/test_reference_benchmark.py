@@ -148,17 +148,19 @@ def test_acceptance_benchmark_smallest_configuration_runs(bench, tmp_path):
 
 def test_acceptance_benchmark_runs_on_the_nemotron_h_target(bench, tmp_path):
     """The Nemotron-H target's rows (Mamba state rolled back in the reference decoder, MTP heads trained and
-    exported beside its native-named LLM): one seed, DFlash2 and MTP, greedy equal, counters consistent."""
+    exported beside its native-named LLM): one seed, DFlash2, EAGLE-3 (also served at K = 3) and MTP, greedy
+    equal, counters consistent."""
     from dflash_train.testing.demo_data import varied_sentences, write_demo_data
 
     _, acceptance = bench
     train, test = write_demo_data(tmp_path / "data", 10, 2, jobs=1, sentences=varied_sentences(10))
     results = acceptance.run(
         NEMOTRON_H_TARGET, steps=2, label_limit=8, eval_limit=None, seeds=[0], max_new_tokens=24,
-        variants=["dflash2", "mtp"], work=tmp_path / "work", cuts=(train, test),
+        variants=["dflash2", "eagle3", "mtp"], work=tmp_path / "work", cuts=(train, test), eagle3_ks=(3,),
     )
     assert results["K"] == 7 and results["failures"] == 0 and results["samples_evaluated"] == 2
-    assert list(results["variants"]) == ["dflash2", "mtp K=D", "mtp K=2D"]
+    assert list(results["variants"]) == ["dflash2", "eagle3", "mtp K=D", "mtp K=2D", "eagle3 K=3"]
+    assert [results["variants"][n]["K"] for n in ("eagle3", "eagle3 K=3")] == [7, 3]
     for row in results["variants"].values():
         assert row["greedy_equal"] and list(row["per_seed"]) == ["0"]
         seed_row = row["per_seed"]["0"]
