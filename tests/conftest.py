@@ -195,6 +195,18 @@ def chatml_speech_batch(target, speech_batch, texts: list[str], repeat: int = 1)
     )
 
 
+def two_batch_data(target, speech_batch):
+    """The exact-resume tests' data on ``target``: training cycles two ChatML batches of ``UTTERANCES`` (2 and 3
+    copies, the second reversed); validation is the second. Returns the recipe's datamodule factory
+    ``(run, target) -> ListDataModule``."""
+    from listdata import ListDataModule
+
+    texts = list(UTTERANCES.values())
+    first = chatml_speech_batch(target, speech_batch, texts, repeat=2)
+    second = chatml_speech_batch(target, speech_batch, texts[::-1], repeat=3)
+    return lambda run, target: ListDataModule([first, second], [second])
+
+
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> tuple[Path, Path]:
     """A small synthesized demo dataset: ``(train_cuts, val_cuts)`` lhotse manifests of real espeak-ng speech."""

@@ -48,14 +48,3 @@ class ListDataModule(L.LightningDataModule):
     def val_dataloader(self):
         return [DataLoader(self._shard(self.val), batch_size=None, collate_fn=_identity)]
 
-
-def two_batch_data(target, speech_batch):
-    """The resume tests' data on ``target``: training cycles two ChatML batches of conftest's utterances (2 and 3
-    copies, the second reversed); validation is the second. Returns the recipe's datamodule factory
-    ``(run, target) -> ListDataModule``."""
-    from conftest import UTTERANCES, chatml_speech_batch
-
-    texts = list(UTTERANCES.values())
-    first = chatml_speech_batch(target, speech_batch, texts, repeat=2)
-    second = chatml_speech_batch(target, speech_batch, texts[::-1], repeat=3)
-    return lambda run, target: ListDataModule([first, second], [second])

@@ -11,8 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import ResumeComparison, compose, tiny_run_overrides
-from listdata import two_batch_data
+from conftest import ResumeComparison, compose, tiny_run_overrides, two_batch_data
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 

@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dflash_train"
 
 # Lower levels never import higher ones; a unit may import its own level.
 LEVELS = {
-    "constants": 0, "errors": 0, "atomic": 0, "files": 0, "distributed": 0, "loss": 0, "progress": 0,
+    "constants": 0, "casting": 0, "errors": 0, "atomic": 0, "files": 0, "distributed": 0, "loss": 0, "progress": 0,
     "variants": 1,
     "config": 2,
     "data": 3, "target": 3, "draft": 3,

@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (UTTERANCES, ResumeComparison, chatml_speech_batch, compose, free_port, run_launchers,
-                      tiny_run_overrides)
-from listdata import two_batch_data
+                      tiny_run_overrides, two_batch_data)
 from safetensors.torch import load_file
 
 from dflash_train.config import validate_config

@@ -3,8 +3,8 @@
 import re
 
 import pytest
-from conftest import UTTERANCES, ResumeComparison, chatml_speech_batch
-from listdata import ListDataModule, two_batch_data
+from conftest import UTTERANCES, ResumeComparison, chatml_speech_batch, two_batch_data
+from listdata import ListDataModule
 from safetensors.torch import load_file
 from test_module import _csv_rows, _recipe, _series
 
