@@ -47,4 +47,3 @@ class ListDataModule(L.LightningDataModule):
 
     def val_dataloader(self):
         return [DataLoader(self._shard(self.val), batch_size=None, collate_fn=_identity)]
-
