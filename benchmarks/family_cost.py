@@ -9,8 +9,8 @@ missing) for two budgets; the step time is the difference of the two wall times 
 budgets, so start-up, the target's load and the one (teacher-forced) validation at the end cancel; serving
 validation is off, since its decode lasts as long as the draft is bad. Rounds interleave the
 families (round-robin over targets, families and budgets) so the machine's noise hits them alike; the
-figure per family is the median over rounds, every round's kept. Trained parameters: the entries of the
-AdamW state in the run's last checkpoint (exactly the tensors the optimizer steps), divided by two.
+figure per family is the median over rounds, every round's kept. Trained parameters: the entries of AdamW's
+first moments in the run's last checkpoint (one per parameter the optimizer steps).
 
 Writes ``benchmarks/.work/family_cost/results.json`` and prints one table. A CPU figure: the ratios between
 families, not the absolute times, are what transfers; GPU step time and memory per family at the public
