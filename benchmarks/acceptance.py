@@ -107,7 +107,7 @@ def baseline_of(name: str, names) -> str | None:
     return base if base != name and base in names else None
 
 
-def _first_cuts(source: Path, dest: Path, count: int, skip: int = 0) -> Path:
+def first_cuts(source: Path, dest: Path, count: int, skip: int = 0) -> Path:
     """The first ``count`` records of a cuts file after its first ``skip`` (the labelled training subset)."""
     import gzip
     from itertools import islice
@@ -117,6 +117,23 @@ def _first_cuts(source: Path, dest: Path, count: int, skip: int = 0) -> Path:
     with gzip.open(dest, "wt") as handle:
         handle.writelines(lines)
     return dest
+
+
+def labelled_data(target: Path, work: Path, label_limit: int, eval_limit: int | None, max_new_tokens: int,
+                  cuts: tuple[Path, Path] | None = None, reuse: bool = False) -> tuple[Path, Path, Path, Path]:
+    """The benchmark's data in ``work``: ``(training cuts, test cuts, training labels, test labels)``. The cuts
+    are the first ``label_limit`` training utterances and the held-out ones (the first ``eval_limit``; none: all)
+    of ``cuts`` (default: the reference corpus); the labels are ``target``'s greedy replies to them, made again
+    unless ``reuse`` and both exist."""
+    train_cuts, test_cuts = cuts if cuts is not None else corpus()
+    work.mkdir(parents=True, exist_ok=True)
+    subset = first_cuts(train_cuts, work / "train_subset.jsonl.gz", label_limit)
+    test_subset = test_cuts if not eval_limit else first_cuts(test_cuts, work / "test_subset.jsonl.gz", eval_limit)
+    train_labels, test_labels = work / "train_labels.jsonl.gz", work / "test_labels.jsonl.gz"
+    if not (reuse and train_labels.exists() and test_labels.exists()):
+        offline_labels(target, subset, train_labels, max_new_tokens)
+        offline_labels(target, test_subset, test_labels, max_new_tokens)
+    return subset, test_subset, train_labels, test_labels
 
 
 def offline_labels(target: Path, cuts: Path, out: Path, max_new_tokens: int) -> Path:
@@ -168,20 +185,20 @@ def train_variant(target: Path, name: str, variant: str, label_source: str, trai
             cfg.dflash.num_nextn_predict_layers = MTP_STEPS
     validated = validate_config(cfg)
     started = time.perf_counter()
-    summary = run_training(validated)
+    outcome = run_training(validated)
     wall = time.perf_counter() - started
-    if summary.export_dir is None:
+    if outcome.export_dir is None:
         raise RuntimeError(f"{name}: training left no export")
     return {
         "variant": variant,
         "label_source": label_source,
-        "steps": summary.steps,
+        "steps": outcome.steps,
         "train_wall_s": round(wall, 1),
-        "val_accept_len": summary.val_accept_len,
-        "val_serving_mal": summary.val_serving_mal,
-        "val_loss": summary.val_loss,
+        "val_accept_len": outcome.val_accept_len,
+        "val_serving_mal": outcome.val_serving_mal,
+        "val_loss": outcome.val_loss,
         "overrides": list(extra),
-        "export": str(summary.export_dir),
+        "export": str(outcome.export_dir),
         "trained_k": variant_named(variant).speculative_tokens(validated.run.dflash),
     }
 
@@ -240,11 +257,11 @@ def table(results: dict) -> list[str]:
     return lines
 
 
-def _pm(summary: dict) -> str:
-    return f"{_fmt(summary['mean'])} ± {_fmt(summary['sd'])}"
+def _pm(stats: dict) -> str:
+    return f"{_fmt(stats['mean'])} ± {_fmt(stats['sd'])}"
 
 
-def _summary(values: list) -> dict:
+def summary(values: list) -> dict:
     """Mean, sample standard deviation, standard error of the mean, and every value."""
     values = [float(v) for v in values if v is not None]
     if not values:
@@ -255,7 +272,7 @@ def _summary(values: list) -> dict:
 
 
 def aggregate(per_seed: dict[int, dict]) -> dict:
-    """One row over seeds: every seed's row kept, the measured figures summarised (:func:`_summary`)."""
+    """One row over seeds: every seed's row kept, the measured figures summarised (:func:`summary`)."""
     rows = list(per_seed.values())
     first = rows[0]
     return {
@@ -266,16 +283,16 @@ def aggregate(per_seed: dict[int, dict]) -> dict:
         "overrides": first["overrides"],
         "K": first["K"],
         "greedy_equal": all(r["greedy_equal"] for r in rows),
-        "mal": _summary([r["mal"] for r in rows]),
+        "mal": summary([r["mal"] for r in rows]),
         "ceiling": first["ceiling"],
-        "fraction_of_ceiling": _summary([r["fraction_of_ceiling"] for r in rows]),
-        "after_correction_mal": _summary([r["after_correction_mal"] for r in rows]),
-        "first_acceptance": _summary([r["per_position"][0]["acceptance"] for r in rows]),
-        "val_accept_len": _summary([r["val_accept_len"] for r in rows]),
-        "val_serving_mal": _summary([r.get("val_serving_mal") for r in rows]),
-        "serving_over_teacher_forced": _summary(
+        "fraction_of_ceiling": summary([r["fraction_of_ceiling"] for r in rows]),
+        "after_correction_mal": summary([r["after_correction_mal"] for r in rows]),
+        "first_acceptance": summary([r["per_position"][0]["acceptance"] for r in rows]),
+        "val_accept_len": summary([r["val_accept_len"] for r in rows]),
+        "val_serving_mal": summary([r.get("val_serving_mal") for r in rows]),
+        "serving_over_teacher_forced": summary(
             [r["mal"] / r["val_accept_len"] for r in rows if r["val_accept_len"]]),
-        "train_wall_s": _summary([r["train_wall_s"] for r in rows]),
+        "train_wall_s": summary([r["train_wall_s"] for r in rows]),
         "per_seed": {str(seed): row for seed, row in per_seed.items()},
     }
 
@@ -313,7 +330,7 @@ def after_correction_mal(rounds_per_reply: list[list[int]], k: int) -> float | N
     return 1 + sum(accepted) / len(accepted) if accepted else None
 
 
-def _served(row: dict, report: dict, name: str) -> dict:
+def served_figures(row: dict, report: dict, name: str) -> dict:
     """``row`` with the serving figures of draft ``name`` in an evaluation report."""
     draft = report["drafts"][name]
     k = report["settings"]["num_speculative_tokens"]
@@ -336,7 +353,7 @@ def eagle3_at_k(target: Path, trained: dict[str, dict[int, dict]], k: int, test:
                              work / f"eval-eagle3-k{k}.json", num_speculative_tokens=k)
     for key, row in drafts.items():
         name, seed = key.rsplit("@", 1)
-        served.setdefault(f"{name} K={k}", {})[int(seed)] = _served(dict(row), report, key)
+        served.setdefault(f"{name} K={k}", {})[int(seed)] = served_figures(dict(row), report, key)
     return len(report["failures"])
 
 
@@ -349,15 +366,9 @@ def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed
     started = time.perf_counter()
     if not (target / "model.safetensors").exists():
         raise SystemExit(f"no reference target in {target}: run benchmarks/train_reference_target.py")
-    train_cuts, test_cuts = cuts if cuts is not None else corpus()
-    work.mkdir(parents=True, exist_ok=True)
-    subset = _first_cuts(train_cuts, work / "train_subset.jsonl.gz", label_limit)
-    test_subset = test_cuts if not eval_limit else _first_cuts(test_cuts, work / "test_subset.jsonl.gz", eval_limit)
     t0 = time.perf_counter()
-    train_labels, test_labels = work / "train_labels.jsonl.gz", work / "test_labels.jsonl.gz"
-    if not (reuse_labels and train_labels.exists() and test_labels.exists()):
-        offline_labels(target, subset, train_labels, max_new_tokens)
-        offline_labels(target, test_subset, test_labels, max_new_tokens)
+    subset, test_subset, train_labels, test_labels = labelled_data(target, work, label_limit, eval_limit,
+                                                                   max_new_tokens, cuts, reuse_labels)
     labels_wall = time.perf_counter() - t0
 
     trained: dict[str, dict[int, dict]] = {name: {} for name in variants}
@@ -378,7 +389,7 @@ def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed
     failures = len(report["failures"]) if report else 0
     for key, row in blocks.items():
         name, seed = key.rsplit("@", 1)
-        served.setdefault(name, {})[int(seed)] = _served(row, report, key)
+        served.setdefault(name, {})[int(seed)] = served_figures(row, report, key)
     for name, rows in trained.items():
         for seed, row in rows.items():
             if row["variant"] != "mtp":
@@ -387,7 +398,7 @@ def run(target: Path, steps: int, label_limit: int, eval_limit: int | None, seed
                 mtp_report = evaluate_drafts(Path(row["export"]), {MTP: TARGET_MTP_HEADS}, test_subset, None,
                                              max_new_tokens, work / f"eval-{name}-s{seed}-k{k}.json",
                                              num_speculative_tokens=k)
-                served.setdefault(f"{name} {label}", {})[seed] = _served(dict(row), mtp_report, MTP)
+                served.setdefault(f"{name} {label}", {})[seed] = served_figures(dict(row), mtp_report, MTP)
                 failures += len(mtp_report["failures"])
                 report = report or mtp_report
     for k in eagle3_ks:

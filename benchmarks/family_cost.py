@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import acceptance  # noqa: E402
 from train_reference_target import OUT as SALM_TARGET  # noqa: E402
-from train_reference_target import WORK, corpus  # noqa: E402
+from train_reference_target import WORK  # noqa: E402
 
 TARGETS = {"salm": SALM_TARGET, "nemotron_h": ROOT / "benchmarks" / "reference_target_nemotron_h"}
 FAMILIES = ("dflash", "dflash2", "mtp", "eagle3")
@@ -42,15 +42,9 @@ QUALITY_FREE = ("dflash.serving_val_samples=0",)
 
 
 def _labels(target: Path, label_limit: int, max_new_tokens: int) -> tuple[Path, Path]:
-    """The acceptance benchmark's offline labels for ``target`` (made here, in its work directory, when missing)."""
+    """The acceptance benchmark's offline labels for ``target`` (made in its work directory when missing)."""
     work = WORK / ("acceptance" if target == SALM_TARGET else f"acceptance-{target.name}")
-    train, test = work / "train_labels.jsonl.gz", work / "test_labels.jsonl.gz"
-    if not (train.exists() and test.exists()):
-        work.mkdir(parents=True, exist_ok=True)
-        train_cuts, test_cuts = corpus()
-        subset = acceptance._first_cuts(train_cuts, work / "train_subset.jsonl.gz", label_limit)
-        acceptance.offline_labels(target, subset, train, max_new_tokens)
-        acceptance.offline_labels(target, test_cuts, test, max_new_tokens)
+    *_, train, test = acceptance.labelled_data(target, work, label_limit, None, max_new_tokens, reuse=True)
     return train, test
 
 

@@ -44,7 +44,7 @@ from typing import Iterator
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from acceptance import _first_cuts, _served, _summary, evaluate_drafts, offline_labels, train_variant  # noqa: E402
+from acceptance import first_cuts, served_figures, summary, evaluate_drafts, offline_labels, train_variant  # noqa: E402
 from train_reference_target import WORK, corpus  # noqa: E402
 
 from dflash_train.evaluate.run import MTP, TARGET_MTP_HEADS  # noqa: E402
@@ -69,9 +69,9 @@ def labelled_data(target: Path, work: Path, label_limit: int, val_limit: int, ev
         return files
     work.mkdir(parents=True, exist_ok=True)
     train_cuts, test_cuts = corpus()
-    sources = (_first_cuts(train_cuts, work / "train_subset.jsonl.gz", label_limit),
-               _first_cuts(train_cuts, work / "val_subset.jsonl.gz", val_limit, skip=label_limit),
-               test_cuts if not eval_limit else _first_cuts(test_cuts, work / "test_subset.jsonl.gz", eval_limit))
+    sources = (first_cuts(train_cuts, work / "train_subset.jsonl.gz", label_limit),
+               first_cuts(train_cuts, work / "val_subset.jsonl.gz", val_limit, skip=label_limit),
+               test_cuts if not eval_limit else first_cuts(test_cuts, work / "test_subset.jsonl.gz", eval_limit))
     for source, labels in zip(sources, files):
         offline_labels(target, source, labels, max_new_tokens)
     return files
@@ -107,11 +107,11 @@ def evaluate_part(target: Path, variant: str, points: list[dict], test: Path, ma
         names = {f"step-{p['step']}": p["export"] for p in points}
         report = evaluate_drafts(target, names, test, None, max_new_tokens, part / "eval.json")
         for point in points:
-            _served(point, report, f"step-{point['step']}")
+            served_figures(point, report, f"step-{point['step']}")
     for point in points if variant == "mtp" else ():
         report = evaluate_drafts(Path(point["export"]), {MTP: TARGET_MTP_HEADS}, test, None, max_new_tokens,
                                  part / f"eval-step-{point['step']}.json", num_speculative_tokens=point["trained_k"])
-        _served(point, report, MTP)
+        served_figures(point, report, MTP)
     for point in points:
         point["acceptance_at_1"] = point["per_position"][0]["acceptance"]
 
@@ -190,8 +190,8 @@ def collect(out: Path) -> dict[tuple[str, str], list[dict]]:
 
 
 def _pm(values: list) -> str:
-    summary = _summary(values)
-    return "n/a" if summary["mean"] is None else f"{summary['mean']:.2f} ± {summary['sd']:.2f}"
+    stats = summary(values)
+    return "n/a" if stats["mean"] is None else f"{stats['mean']:.2f} ± {stats['sd']:.2f}"
 
 
 def table(parts: dict[tuple[str, str], list[dict]]) -> list[str]:
@@ -234,7 +234,7 @@ def plot(parts: dict[tuple[str, str], list[dict]], path: Path) -> Path:
                 if t != target:
                     continue
                 steps = sorted({p["step"] for c in curves for p in c["points"]})
-                stats = [_summary([p[key] for c in curves for p in c["points"] if p["step"] == s]) for s in steps]
+                stats = [summary([p[key] for c in curves for p in c["points"] if p["step"] == s]) for s in steps]
                 mean = [s["mean"] for s in stats]
                 ax.plot(steps, mean, marker="o", label=f"{variant} ({len(curves)} seeds)")
                 ax.fill_between(steps, [m - s["sd"] for m, s in zip(mean, stats)],

@@ -195,15 +195,19 @@ def chatml_speech_batch(target, speech_batch, texts: list[str], repeat: int = 1)
     )
 
 
+def two_batches(target, speech_batch) -> tuple[dict, dict]:
+    """The exact-resume tests' two ChatML batches of ``UTTERANCES`` on ``target``: 2 copies, then 3 reversed."""
+    texts = list(UTTERANCES.values())
+    return (chatml_speech_batch(target, speech_batch, texts, repeat=2),
+            chatml_speech_batch(target, speech_batch, texts[::-1], repeat=3))
+
+
 def two_batch_data(target, speech_batch):
-    """The exact-resume tests' data on ``target``: training cycles two ChatML batches of ``UTTERANCES`` (2 and 3
-    copies, the second reversed); validation is the second. Returns the recipe's datamodule factory
-    ``(run, target) -> ListDataModule``."""
+    """The exact-resume tests' data on ``target``: training cycles :func:`two_batches`; validation is the second.
+    Returns the recipe's datamodule factory ``(run, target) -> ListDataModule``."""
     from listdata import ListDataModule
 
-    texts = list(UTTERANCES.values())
-    first = chatml_speech_batch(target, speech_batch, texts, repeat=2)
-    second = chatml_speech_batch(target, speech_batch, texts[::-1], repeat=3)
+    first, second = two_batches(target, speech_batch)
     return lambda run, target: ListDataModule([first, second], [second])
 
 

@@ -175,7 +175,7 @@ def test_a_method_wins_only_beyond_two_standard_errors(bench):
     _, acceptance = bench
 
     def row(values):
-        return {"mal": acceptance._summary(values)}
+        return {"mal": acceptance.summary(values)}
 
     base = row([5.9, 6.0, 6.1])  # sd 0.1, SE 0.0577
     assert acceptance.versus(row([6.2, 6.3, 6.4]), base, "dflash")["wins"]

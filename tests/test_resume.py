@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from conftest import UTTERANCES, ResumeComparison, chatml_speech_batch, two_batch_data
+from conftest import UTTERANCES, ResumeComparison, chatml_speech_batch, two_batch_data, two_batches
 from listdata import ListDataModule
 from safetensors.torch import load_file
 from test_module import _csv_rows, _recipe, _series
@@ -135,8 +135,7 @@ def test_resume_inside_gradient_accumulation_is_exact(tiny_salm_dir, tiny_target
     """Two micro-batches per step, stopped after step 1 and resumed to 4: the first resumed micro-batch opens a
     window (Lightning restores one batch short of the checkpoint's, which made it close one: the optimizer
     stepped after a single micro-batch, max |dw| 0.013)."""
-    first = chatml_speech_batch(tiny_target, speech_batch, TEXTS, repeat=2)
-    second = chatml_speech_batch(tiny_target, speech_batch, TEXTS[::-1], repeat=3)
+    first, second = two_batches(tiny_target, speech_batch)
 
     def run(run_dir, steps):
         recipe = _recipe(tiny_salm_dir, run_dir, f"trainer.max_steps={steps}", "trainer.accumulate_grad_batches=2",
