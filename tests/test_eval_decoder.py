@@ -290,3 +290,44 @@ def test_a_text_only_target_decodes_through_the_protocol_like_hf_generate(tiny_t
     ours = greedy_decode(TargetSession(target), target.embed_tokens(prompt), rule)
     theirs = llm.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert ours.token_ids == theirs[0, prompt.shape[1]:].tolist() and ours.finish_reason == "length"
+
+
+def test_dflash2_rounds_propose_what_nemo_automodels_own_decoder_proposes(tiny_target):
+    """A DFlash2 round of the reference decoder (the draft over K + 1 query positions with its in-block
+    convolutions, the candidate walk from the bonus token, verified context only in the draft cache) proposes
+    exactly what nemo_automodel's own ``Qwen3DFlash2DraftModel.spec_generate`` proposes, round by round, on a
+    text-only target. The draft's convolutions and selector are moved off their identity start (where DFlash2
+    equals DFlash), so a walk, a convolution block or a context that differs shows as a different proposal."""
+    from nemo_automodel.components.speculative.dflash.draft_qwen3_dflash2 import (
+        CandidateSelector,
+        GroupedDynamicCausalConv,
+    )
+
+    from dflash_train.target.causal_lm import CausalLMTarget
+
+    llm = _text_llm(tiny_target)
+    draft = build_draft(tiny_target.salm.llm.config, _spec("dflash2"), "sdpa").eval()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in draft.modules():
+            if isinstance(module, (GroupedDynamicCausalConv, CandidateSelector)):
+                for parameter in module.parameters():
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    walked: list[list[int]] = []
+    walk = draft.candidate_selector.walk
+
+    def recording_walk(*args, **kwargs):
+        path, candidates, probs = walk(*args, **kwargs)
+        walked.append(path[0].tolist())
+        return path, candidates, probs
+
+    draft.candidate_selector.walk = recording_walk
+    prompt = torch.tensor([[5, 17, 42, 9, 77, 3, 120, 64]])
+    nemo_ids = draft.spec_generate(llm, prompt, max_new_tokens=MAX_NEW, stop_token_ids=None, temperature=0.0)
+    nemo_rounds, walked = walked, []
+    target = CausalLMTarget(llm, tiny_target.pad_id)
+    ours = speculative_decode(TargetSession(target, draft.target_layer_ids), DraftProposer(draft, target, K),
+                              target.embed_tokens(prompt), StopRule(MAX_NEW, frozenset()))
+    assert ours.token_ids == nemo_ids[0, prompt.shape[1]:].tolist()
+    assert len(walked) >= 3 and walked == nemo_rounds[:len(walked)], (walked, nemo_rounds)
+    print(f"DFlash2 rounds {len(walked)}, accepted per round {ours.accepted_per_round}, proposals {walked}")
