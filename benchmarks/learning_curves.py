@@ -3,6 +3,8 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_curves.py --target salm --variant dflash --seed 42
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_curves.py --variant dflash2 --seed 45 \
         --override dflash.selector_rank=256          # an experiment row: the recipe's selector, not the benchmark's
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_curves.py --variant dflash2 --seed 45 \
+        --override dflash.conv_kernel_size=1         # DFlash2 without its in-block convolution (no plateau)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/learning_curves.py --report
 
 Issue 49: is the step serving prefers the last one, and does the step validation prefers (``val/serving_mal``,
